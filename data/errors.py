@@ -1,0 +1,66 @@
+"""User-facing errors: one clear line, no traceback, non-zero exit."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+class UserError(Exception):
+    """A mistake in the user's input (file, field, config). Printed as one line, exit code 2."""
+
+
+def cli(fn: F) -> F:
+    """Wrap a command's main: a UserError becomes `error: <message>` on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@contextmanager
+def atomic_dir(final: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `final` (never a half-written output)."""
+    import shutil
+
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_file(final: str | Path, mode: str = "w") -> Iterator:
+    """Open a temporary sibling file; on success rename it over `final`."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

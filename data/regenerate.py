@@ -1,0 +1,116 @@
+"""Rewrite the assistant turns of a conversation set with the target's own answers.
+
+    python -m data.regenerate                                     # embedded target, ShareGPT train split
+    python -m data.regenerate data.max_conversations=500 temperature=0 max_new_tokens=256 out_dir=runs/regen
+
+Drafters learn best from the target's own outputs (DFlash, EAGLE-3). Turn by turn, every user turn is
+kept and each assistant turn is replaced by the target's answer to the conversation so far (which
+already holds its earlier answers). Generation is batched (left padding). Results go to JSONL shards
+``out_dir/shard-XXXXX.jsonl`` (our ``{"id", "messages"}`` schema, readable as ``data.source``); each
+shard is written to a temp file and renamed, and a rerun skips ids already in finished shards.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from data.conversations import load_conversations
+from data.errors import UserError, atomic_file, cli
+
+
+def finished_ids(out_dir: Path) -> set[str]:
+    done: set[str] = set()
+    for shard in sorted(out_dir.glob("shard-*.jsonl")):
+        with open(shard, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    done.add(json.loads(line)["id"])
+    return done
+
+
+@torch.no_grad()
+def generate_batch(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
+                   top_p: float = 1.0) -> list[str]:
+    """Answer a batch of chats (each ending with a user turn); left-padded batched generation."""
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    tokenizer.padding_side = "left"
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = {k: v.to(model.device) for k, v in enc.items()}
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
+    else:
+        kwargs.update(do_sample=False)
+    out = model.generate(**enc, **kwargs)
+    new = out[:, enc["input_ids"].shape[1]:]
+    return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+
+
+def regenerate_conversations(model, tokenizer, convs: list[dict], max_new_tokens: int, temperature: float,
+                             top_p: float, batch_size: int, max_turns: int | None = None) -> list[dict]:
+    """Replace every assistant turn (up to ``max_turns`` answers per chat) with the target's answer."""
+    chats = [[m for m in c["messages"] if m["role"] != "assistant"] for c in convs]
+    results = [[] for _ in convs]
+    users_done = [0] * len(convs)
+    turn = 0
+    while True:
+        # advance each chat to its next user turn; chats with no user turn left are finished
+        active = []
+        for i, msgs in enumerate(chats):
+            if max_turns is not None and turn >= max_turns:
+                break
+            j = users_done[i]
+            while j < len(msgs) and msgs[j]["role"] != "user":
+                results[i].append(msgs[j]); j += 1  # system turns
+            if j < len(msgs):
+                results[i].append(msgs[j]); users_done[i] = j + 1
+                active.append(i)
+        if not active:
+            break
+        for s in range(0, len(active), batch_size):
+            idx = active[s: s + batch_size]
+            answers = generate_batch(model, tokenizer, [results[i] for i in idx], max_new_tokens, temperature, top_p)
+            for i, a in zip(idx, answers):
+                results[i].append({"role": "assistant", "content": a})
+        turn += 1
+    return [{"id": c["id"], "messages": r} for c, r in zip(convs, results) if any(m["role"] == "assistant" for m in r)]
+
+
+@hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
+@cli
+def main(cfg: DictConfig) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from models.target import DTYPES, load_tokenizer, resolve_path
+
+    if cfg.temperature < 0:
+        raise UserError(f"temperature={cfg.temperature}: must be >= 0")
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(cfg.target.name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.target.name_or_path), dtype=DTYPES[cfg.target.dtype]).eval()
+    torch.manual_seed(cfg.seed)
+    ds = load_conversations(cfg.data.source, cfg.split, cfg.data.heldout_fraction)
+    if cfg.data.max_conversations:
+        ds = ds.select(range(min(cfg.data.max_conversations, len(ds))))
+    done = finished_ids(out_dir)
+    todo = [{"id": r["id"], "messages": r["messages"]} for r in ds if r["id"] not in done]
+    print(f"regenerate: {len(done)} already done, {len(todo)} to do -> {out_dir}")
+    n_shards = len(list(out_dir.glob("shard-*.jsonl")))
+    for s in range(0, len(todo), cfg.shard_size):
+        part = regenerate_conversations(model, tok, todo[s: s + cfg.shard_size], cfg.max_new_tokens, cfg.temperature,
+                                        cfg.top_p, cfg.batch_size, cfg.max_turns)
+        with atomic_file(out_dir / f"shard-{n_shards:05d}.jsonl") as f:
+            for c in part:
+                f.write(json.dumps(c, ensure_ascii=False) + "\n")
+        n_shards += 1
+        print(f"shard {n_shards - 1}: {len(part)} conversations ({s + len(part)}/{len(todo)})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The frozen target: any Hugging Face causal LM (by name or path), the embedded target, or a given module.
+
+Tap-layer convention (fixed here, once): a tap is named by *decoder-layer index* ``i`` (0-based) and
+means the output of decoder layer ``i``. In Hugging Face ``output_hidden_states``, index 0 is the
+embedding output and index ``i + 1`` the output of layer ``i``: :func:`hf_hidden_index` is the only
+conversion. EAGLE's code speaks of the hidden state *entering* layer ``i + 1``; that is the same tensor.
+The last hidden state is the final-norm output that feeds ``lm_head`` (not ``hidden_states[-1]``, which
+some models return before the norm).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from data.errors import UserError
+
+EMBEDDED = "embedded"
+EMBEDDED_PATH = Path(__file__).resolve().parent.parent / "assets" / "target"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def hf_hidden_index(layer: int) -> int:
+    """Index into Hugging Face ``hidden_states`` of the output of decoder layer ``layer``."""
+    return layer + 1
+
+
+def default_tap_layers(num_layers: int, method: str = "eagle3", n_taps: int = 5) -> list[int]:
+    """Default tap layers (decoder-layer indices) per DESIGN.md §2.
+
+    eagle3: ``[1, L//2 - 1, L - 4]``. dflash: ``n_taps`` spread uniformly over layers 1..L-3
+    (Qwen3-8B, L=36 → [1, 9, 17, 25, 33]).
+    """
+    L = num_layers
+    if method == "eagle3":
+        return sorted({max(0, min(L - 1, i)) for i in (1, L // 2 - 1, L - 4)})
+    if method == "dflash":
+        lo, hi = 1, max(1, L - 3)
+        if n_taps == 1:
+            return [lo]
+        return sorted({round(lo + k * (hi - lo) / (n_taps - 1)) for k in range(n_taps)})
+    raise UserError(f"tap method {method!r}: use eagle3 or dflash")
+
+
+def resolve_path(name_or_path: str) -> str:
+    """``embedded`` → the shipped model directory; anything else is passed to ``from_pretrained``."""
+    if name_or_path == EMBEDDED:
+        if not (EMBEDDED_PATH / "config.json").exists():
+            raise UserError(f"embedded target missing at {EMBEDDED_PATH}; rebuild it with `python -m train.embedded_target`")
+        return str(EMBEDDED_PATH)
+    p = Path(name_or_path)
+    if (name_or_path.startswith((".", "/", "~")) or p.exists()) and not (p.expanduser() / "config.json").exists():
+        raise UserError(f"target {name_or_path!r}: no such model directory (expected a folder with config.json)")
+    return str(p.expanduser()) if p.expanduser().exists() else name_or_path
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    path = resolve_path(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise UserError(f"target {name_or_path!r}: could not load its tokenizer ({str(e).splitlines()[0]})") from None
+
+
+@dataclass
+class TargetOutput:
+    """What the target hands a draft head. Shapes: B batch, T tokens, n taps, d hidden, V vocabulary."""
+
+    tap_states: torch.Tensor          # [B, T, n_taps, d]
+    last_state: torch.Tensor          # [B, T, d]  final-norm output (feeds lm_head)
+    logits: torch.Tensor | None = None  # [B, T, V] only when asked
+    past_key_values: Any = None       # the target's KV cache when use_cache=True
+
+
+class FrozenTarget(nn.Module):
+    """A causal LM frozen in eval mode, returning tap hidden states, the last hidden state and (optionally) logits."""
+
+    def __init__(self, name_or_path: str | None = EMBEDDED, tap_layers: Sequence[int] | None = None,
+                 dtype: str = "float32", model: nn.Module | None = None, tap_method: str = "eagle3"):
+        super().__init__()
+        if model is None:
+            if not name_or_path:
+                raise UserError("target: give name_or_path (a model name, a path, or 'embedded')")
+            from transformers import AutoModelForCausalLM
+
+            if dtype not in DTYPES:
+                raise UserError(f"target.dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+            path = resolve_path(name_or_path)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+            except OSError as e:
+                raise UserError(f"target {name_or_path!r}: could not load ({str(e).splitlines()[0]})") from None
+        elif dtype in DTYPES:
+            model = model.to(DTYPES[dtype])
+        self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "module")
+        self.model = model.eval().requires_grad_(False)
+        self.num_layers: int = self.model.config.num_hidden_layers
+        taps = list(tap_layers) if tap_layers is not None else default_tap_layers(self.num_layers, tap_method)
+        bad = [i for i in taps if not 0 <= i < self.num_layers]
+        if bad:
+            raise UserError(f"tap_layers {bad} out of range: the target has {self.num_layers} decoder layers (0..{self.num_layers - 1})")
+        self.tap_layers = taps
+
+    def train(self, mode: bool = True) -> "FrozenTarget":  # stays in eval mode whatever Lightning asks
+        return super().train(False)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def identity(self) -> dict:
+        """What a draft or a feature cache records to check it is used with the same target."""
+        c = self.model.config
+        return {"name_or_path": str(self.name_or_path), "architectures": list(c.architectures or [type(self.model).__name__]),
+                "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "vocab_size": c.vocab_size}
+
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, return_logits: bool = False,
+                past_key_values: Any = None, use_cache: bool = False, position_ids: torch.Tensor | None = None) -> TargetOutput:
+        out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                               use_cache=use_cache, output_hidden_states=True, position_ids=position_ids)
+        hs = out.hidden_states  # (L + 1) × [B, T, d]
+        taps = torch.stack([hs[hf_hidden_index(i)] for i in self.tap_layers], dim=2)  # [B, T, n_taps, d]
+        last = out.last_hidden_state  # [B, T, d], after the final norm
+        logits = self.model.lm_head(last) if return_logits else None
+        return TargetOutput(tap_states=taps, last_state=last, logits=logits,
+                            past_key_values=out.past_key_values if use_cache else None)

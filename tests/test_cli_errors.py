@@ -1,0 +1,41 @@
+"""Bad input on the command line: one clear `error:` line naming the file/field, exit code 2, no traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["data.prepare", "target.name_or_path=/nonexistent/model"], "/nonexistent/model"),
+    (["data.prepare", "target.name_or_path=embedded", "target.dtype=int3"], None),
+    (["data.regenerate", "temperature=-1"], "temperature"),
+    (["train.embedded_target", "ckpt_path=/nonexistent.ckpt", "experiment_target=micro", "run_dir=/tmp/ds-cli-test"], "ckpt_path"),
+])
+def test_one_line_errors(args, expect):
+    r = run(*args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(err) == 1 and "Traceback" not in r.stderr
+    if expect:
+        assert expect in err[0]
+
+
+def test_bad_source_file(tmp_path):
+    bad = tmp_path / "convs.json"
+    bad.write_text("")
+    tok = tmp_path / "tok"
+    from conftest import make_tokenizer
+    make_tokenizer("embedded").save_pretrained(tok)
+    # a target whose tokenizer loads, with an empty conversation file: the file is named
+    r = run("data.regenerate", f"data.source={bad}", "target.name_or_path=embedded")
+    if "embedded target missing" in r.stderr:
+        pytest.skip("embedded target not built")
+    assert r.returncode == 2 and str(bad) in r.stderr

@@ -1,0 +1,34 @@
+"""Every primary config in conf/ composes, and every file of every group composes inside its primary config."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT
+
+CONF = ROOT / "conf"
+PRIMARY = sorted(p.stem for p in CONF.glob("*.yaml"))
+# group folder -> primary config that uses it
+GROUP_HOME = {"target": "prepare", "data": "prepare", "experiment_target": "embedded_target"}
+GROUP_FILES = [(g, p.stem) for g in sorted(GROUP_HOME) for p in sorted((CONF / g).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("name", PRIMARY)
+def test_primary_config_composes(name):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose(name)
+    assert cfg
+
+
+@pytest.mark.parametrize("group,option", GROUP_FILES)
+def test_group_option_composes(group, option):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose(GROUP_HOME[group], overrides=[f"{group}={option}"])
+    assert cfg
+
+
+def test_every_group_is_known():
+    groups = {p.name for p in CONF.iterdir() if p.is_dir()}
+    assert groups <= set(GROUP_HOME), f"add new config groups to GROUP_HOME: {groups - set(GROUP_HOME)}"

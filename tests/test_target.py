@@ -1,0 +1,56 @@
+"""Frozen target wrapper on random-weight tiny Llama, Qwen3 and Mistral: tap indexing, last state, logits, frozen."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from data.errors import UserError
+from models.target import FrozenTarget, default_tap_layers, hf_hidden_index
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_taps_last_state_and_logits(arch):
+    model = tiny_model(arch, layers=6)
+    target = FrozenTarget(model=model, tap_layers=[0, 2, 5])
+    ids = torch.randint(0, 128, (2, 9))
+    out = target(ids)
+    assert out.tap_states.shape == (2, 9, 3, 32) and out.last_state.shape == (2, 9, 32) and out.logits is None
+    # tap i is the output of decoder layer i: check against running the layers by hand
+    ref = model(ids, output_hidden_states=True)
+    for k, layer in enumerate([0, 2, 5]):
+        assert torch.equal(out.tap_states[:, :, k], ref.hidden_states[hf_hidden_index(layer)])
+    captured = {}
+    h = model.model.layers[2].register_forward_hook(lambda m, i, o: captured.setdefault("x", o[0] if isinstance(o, tuple) else o))
+    target(ids)
+    h.remove()
+    assert torch.allclose(captured["x"], out.tap_states[:, :, 1])
+    # the last state is what feeds lm_head, and logits come only when asked
+    with_logits = target(ids, return_logits=True)
+    assert torch.allclose(model.lm_head(out.last_state), ref.logits, atol=1e-5)
+    assert torch.allclose(with_logits.logits, ref.logits, atol=1e-5)
+
+
+def test_frozen_eval_no_grad():
+    target = FrozenTarget(model=tiny_model("llama"), tap_layers=[1])
+    target.train()
+    assert not target.model.training
+    assert all(not p.requires_grad for p in target.parameters())
+    out = target(torch.randint(0, 128, (1, 4)), return_logits=True)
+    assert not out.logits.requires_grad
+
+
+def test_default_taps():
+    assert default_tap_layers(36, "eagle3") == [1, 17, 32]
+    assert default_tap_layers(32, "eagle3") == [1, 15, 28]
+    assert default_tap_layers(36, "dflash") == [1, 9, 17, 25, 33]
+    assert FrozenTarget(model=tiny_model("llama", layers=6)).tap_layers == [1, 2]
+
+
+def test_bad_taps_and_paths(tmp_path):
+    with pytest.raises(UserError, match="out of range"):
+        FrozenTarget(model=tiny_model("llama", layers=4), tap_layers=[1, 4])
+    with pytest.raises(UserError, match="no such model directory"):
+        FrozenTarget(str(tmp_path / "nope"))
+    with pytest.raises(UserError, match="dtype"):
+        FrozenTarget("embedded", dtype="int3")

@@ -1,0 +1,20 @@
+"""Learning-rate schedules shared by every training recipe."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def warmup_cosine(opt: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up to the base lr, then cosine decay to ``min_ratio`` × base lr at ``total_steps``."""
+    warmup_steps = max(0, int(warmup_steps))
+    total_steps = max(warmup_steps + 1, int(total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        t = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
