@@ -16,13 +16,14 @@ from data.benchmarks import mt_bench
 from data.errors import cli
 from data.prepare import tokenize_split
 from data.regenerate import generate_batch
+from train.build import instantiate
 
 
 @hydra.main(config_path="../conf", config_name="quickstart", version_base="1.3")
 @cli
 def main(cfg: DictConfig) -> None:
     t0 = time.time()
-    target = hydra.utils.instantiate(cfg.target)
+    target = instantiate(cfg.target)
     from models.target import load_tokenizer
 
     tok = load_tokenizer(cfg.target.name_or_path)

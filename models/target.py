@@ -101,10 +101,14 @@ class FrozenTarget(nn.Module):
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "module")
         self.model = model.eval().requires_grad_(False)
         self.num_layers: int = self.model.config.num_hidden_layers
-        taps = list(tap_layers) if tap_layers is not None else default_tap_layers(self.num_layers, tap_method)
+        self.set_tap_layers(list(tap_layers) if tap_layers is not None else default_tap_layers(self.num_layers, tap_method))
+
+    def set_tap_layers(self, taps: Sequence[int]) -> None:
+        """Choose the decoder layers whose outputs are returned as ``tap_states`` (checked against the depth)."""
+        taps = [int(i) for i in taps]
         bad = [i for i in taps if not 0 <= i < self.num_layers]
-        if bad:
-            raise UserError(f"tap_layers {bad} out of range: the target has {self.num_layers} decoder layers (0..{self.num_layers - 1})")
+        if bad or not taps:
+            raise UserError(f"tap_layers {bad or taps} out of range: the target has {self.num_layers} decoder layers (0..{self.num_layers - 1})")
         self.tap_layers = taps
 
     def train(self, mode: bool = True) -> "FrozenTarget":  # stays in eval mode whatever Lightning asks

@@ -84,3 +84,47 @@ def tiny_model(arch: str, **kw):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_config(arch, **kw)).eval()
+
+
+def write_tiny_target(path: Path, arch: str = "llama", layers: int = 4) -> Path:
+    """A random-weight tiny chat model + tiny tokenizer saved in HF format (a stand-in target on disk)."""
+    tok = make_tokenizer("embedded")
+    model = tiny_model(arch, vocab_size=len(tok), layers=layers)
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = tok.pad_token_id
+    model.config.mask_token_id = tok.convert_tokens_to_ids("<|mask|>")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_tiny_chats(path: Path, n: int = 48) -> Path:
+    import json
+    import random
+
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            turns = []
+            for _ in range(rng.randint(1, 2)):
+                turns += [{"from": "human", "value": rng.choice(CORPUS)}, {"from": "gpt", "value": " ".join(rng.sample(CORPUS, 2))}]
+            f.write(json.dumps({"id": f"chat{i}_0", "conversations": turns}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    return write_tiny_target(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chats(tmp_path_factory) -> Path:
+    return write_tiny_chats(tmp_path_factory.mktemp("chats") / "chats.jsonl")
+
+
+def train_overrides(target_dir: Path, chats: Path, run_dir: Path, steps: int = 4) -> list[str]:
+    """Overrides that make `python -m train` run in seconds on the tiny target."""
+    return [f"target.name_or_path={target_dir}", f"data.source={chats}", f"run_dir={run_dir}", "data.heldout_fraction=0.2",
+            "data.batch_size=4", "data.max_length=64", f"trainer.max_steps={steps}", "trainer.val_check_interval=2",
+            "trainer.limit_val_batches=2", "trainer.precision=32", "trainer.enable_progress_bar=false",
+            "trainer.log_every_n_steps=1", "draft.ttt_steps=3"]

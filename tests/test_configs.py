@@ -11,7 +11,8 @@ from conftest import ROOT
 CONF = ROOT / "conf"
 PRIMARY = sorted(p.stem for p in CONF.glob("*.yaml"))
 # group folder -> primary config that uses it
-GROUP_HOME = {"target": "prepare", "data": "prepare", "experiment_target": "embedded_target"}
+GROUP_HOME = {"target": "train", "data": "train", "draft": "train", "features": "train", "trainer": "train", "logger": "train",
+              "callbacks": "train", "experiment": "train", "experiment_target": "embedded_target"}
 GROUP_FILES = [(g, p.stem) for g in sorted(GROUP_HOME) for p in sorted((CONF / g).glob("*.yaml"))]
 
 
@@ -27,6 +28,15 @@ def test_group_option_composes(group, option):
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose(GROUP_HOME[group], overrides=[f"{group}={option}"])
     assert cfg
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_experiments_only_override(option):
+    """An experiment file changes a few keys of the default run, not the whole config."""
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        base = compose("train")
+        exp = compose("train", overrides=[f"experiment={option}"])
+    assert exp.name != base.name and exp.draft._target_ and exp.trainer._target_
 
 
 def test_every_group_is_known():

@@ -1,0 +1,110 @@
+"""Lightning datamodule for draft training: tokenised conversations (online features) or a feature cache (offline).
+
+Online: batches hold ``input_ids``, ``loss_mask``, ``attention_mask`` [B, T] and the frozen target runs
+inside the training step. Offline: batches also hold ``tap_states`` [B, T, n_taps, d] and
+``last_state`` [B, T, d] read from the memory-mapped shards written by ``python -m data.features``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from data.errors import UserError
+
+
+def collate(rows: list[dict[str, Any]], pad_id: int = 0, multiple: int = 8) -> dict[str, torch.Tensor]:
+    """Right-pad a list of samples to the longest (rounded up to ``multiple``)."""
+    T = max(len(r["input_ids"]) for r in rows)
+    T = -(-T // multiple) * multiple
+    B = len(rows)
+    out = {"input_ids": torch.full((B, T), pad_id, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.long),
+           "attention_mask": torch.zeros(B, T, dtype=torch.long)}
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        out["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
+        out["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
+        out["attention_mask"][i, :n] = 1
+    for key in ("tap_states", "last_state"):
+        if key in rows[0]:
+            first = torch.as_tensor(rows[0][key])
+            buf = torch.zeros((B, T) + tuple(first.shape[1:]), dtype=first.dtype)
+            for i, r in enumerate(rows):
+                x = torch.as_tensor(r[key])
+                buf[i, : x.shape[0]] = x
+            out[key] = buf
+    return out
+
+
+class DraftDataModule(L.LightningDataModule):
+    """Conversations → tokenised with the target's chat template → batches (online or offline features)."""
+
+    def __init__(self, source: str = "sharegpt", heldout_fraction: float = 0.02, max_length: int | None = 2048,
+                 truncation: str = "turn", max_conversations: int | None = None, val_conversations: int | None = 64,
+                 batch_size: int = 4, num_workers: int = 0, num_proc: int = 1, tokenizer: str = "embedded",
+                 features: str = "online", feature_dir: str | None = None, seed: int = 0):
+        super().__init__()
+        if features not in ("online", "offline"):
+            raise UserError(f"features={features!r}: use online or offline")
+        if batch_size < 1:
+            raise UserError(f"data.batch_size={batch_size}: must be >= 1")
+        self.source, self.heldout_fraction, self.max_length, self.truncation = source, heldout_fraction, max_length, truncation
+        self.max_conversations, self.val_conversations = max_conversations, val_conversations
+        self.batch_size, self.num_workers, self.num_proc = batch_size, num_workers, num_proc
+        self.tokenizer_name, self.features, self.feature_dir, self.seed = tokenizer, features, feature_dir, seed
+        self._train = self._val = None
+        self._tok = None
+        self.expect_identity: dict | None = None  # set by the trainer entry point: the target the cache must match
+
+    @property
+    def tokenizer(self):
+        if self._tok is None:
+            from models.target import load_tokenizer
+
+            self._tok = load_tokenizer(self.tokenizer_name)
+        return self._tok
+
+    def split(self, name: str):
+        """The tokenised split (``train`` or ``heldout``) as a ``datasets.Dataset`` (Arrow-cached)."""
+        from data.prepare import tokenize_split
+
+        limit = self.max_conversations if name == "train" else self.val_conversations
+        return tokenize_split(self.tokenizer, self.source, name, self.heldout_fraction, self.max_length,
+                              self.truncation, limit, self.num_proc, verbose=False)
+
+    def token_counts(self) -> torch.Tensor:
+        """Counts [V] of loss-masked tokens in the training split (draft vocabularies are built from these)."""
+        ds = self.split("train")
+        V = len(self.tokenizer)
+        counts = torch.zeros(V, dtype=torch.long)
+        for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+            t = torch.as_tensor(ids)[torch.as_tensor(mask).bool()]
+            counts += torch.bincount(t, minlength=V)[:V]
+        return counts
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._train is not None:
+            return
+        if self.features == "offline":
+            from data.features import FeatureDataset
+
+            if not self.feature_dir:
+                raise UserError("features=offline needs data.feature_dir (write it with `python -m data.features`)")
+            self._train = FeatureDataset(Path(self.feature_dir) / "train", self.expect_identity)
+            self._val = FeatureDataset(Path(self.feature_dir) / "heldout", self.expect_identity)
+        else:
+            self._train = self.split("train").with_format("python")
+            self._val = self.split("heldout").with_format("python")
+
+    def _loader(self, ds, shuffle: bool) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.utils.data.DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, generator=g,
+                                           num_workers=self.num_workers, collate_fn=lambda rows: collate(rows, self.tokenizer.pad_token_id or 0))
+
+    def train_dataloader(self):
+        return self._loader(self._train, shuffle=True)
+
+    def val_dataloader(self):
+        return self._loader(self._val, shuffle=False)

@@ -1,0 +1,115 @@
+"""The one draft-head interface every family implements, and the self-describing export format.
+
+Training: ``training_loss(batch, feats)`` returns a :class:`HeadOutput` (loss plus per-step accuracy
+counts, step j = the j-th drafted token). The Lightning module owns optimisation, logging and
+checkpoints and never asks which head it holds. A head declares which target features it needs
+(``tap_method`` for the default tap layers, ``needs_teacher_logits`` for soft targets).
+
+Export: a directory with ``config.json`` (head class, constructor arguments, target identity, tap
+layers), ``model.safetensors`` and the resolved training config; :func:`load_draft` rebuilds the head
+on a target without Lightning.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from data.errors import UserError, atomic_dir
+
+FORMAT = "draftsmith-draft/1"
+
+
+@dataclass
+class HeadOutput:
+    loss: torch.Tensor
+    correct: torch.Tensor            # [K] positions where step j's top-1 equals the target's top-1
+    total: torch.Tensor              # [K] positions scored at step j
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class DraftHead(nn.Module):
+    """Base class. Subclasses set ``family`` and implement ``training_loss``; constructor arguments are
+    recorded (``self.init_args``) so that export and load need no extra code per head."""
+
+    family: ClassVar[str] = "base"
+    tap_method: ClassVar[str] = "eagle3"
+    needs_teacher_logits: ClassVar[bool] = False
+
+    def __init__(self, target: Any, **init_args: Any):
+        super().__init__()
+        self.init_args = init_args
+        self.target_identity = target.identity()
+        self.tap_layers = list(target.tap_layers)
+
+    # -- training -------------------------------------------------------------------------------
+    def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
+        raise NotImplementedError
+
+    def prepare_from_data(self, token_counts: torch.Tensor) -> None:
+        """Called once before training with the loss-masked token counts [V] of the training split."""
+
+    @property
+    def num_steps(self) -> int:
+        """How many tokens the head drafts per round (the K of the per-step accuracies)."""
+        raise NotImplementedError
+
+    def check_target(self, target: Any) -> None:
+        """Raise a UserError when ``target`` is not the one this head was built for."""
+        mine, theirs = self.target_identity, target.identity()
+        for k in ("hidden_size", "vocab_size", "num_hidden_layers"):
+            if mine.get(k) != theirs.get(k):
+                raise UserError(f"draft was built for target {mine.get('name_or_path')!r} ({k}={mine.get(k)}), "
+                                f"but the target is {theirs.get('name_or_path')!r} ({k}={theirs.get(k)})")
+
+    # -- export ---------------------------------------------------------------------------------
+    def export(self, out_dir: str | Path, train_config: dict | None = None) -> Path:
+        """Write config.json + model.safetensors (+ train_config.json) atomically."""
+        from safetensors.torch import save_file
+
+        cfg = {"format": FORMAT, "family": self.family, "class": f"{type(self).__module__}.{type(self).__qualname__}",
+               "init_args": self.init_args, "target": self.target_identity, "tap_layers": self.tap_layers,
+               "num_steps": self.num_steps}
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        with atomic_dir(out_dir) as tmp:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            if train_config is not None:
+                (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2, default=str) + "\n")
+        return Path(out_dir)
+
+
+def read_draft_config(path: str | Path) -> dict:
+    p = Path(path) / "config.json"
+    if not p.exists():
+        raise UserError(f"{path}: not an exported draft (no config.json); export one with `python -m train ...`")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p}: malformed JSON ({e.msg})") from None
+    if cfg.get("format") != FORMAT:
+        raise UserError(f"{p}: format {cfg.get('format')!r} is not {FORMAT!r}")
+    return cfg
+
+
+def load_draft(path: str | Path, target: Any) -> DraftHead:
+    """Rebuild an exported head on ``target`` (checked against the recorded target identity)."""
+    from safetensors.torch import load_file
+
+    cfg = read_draft_config(path)
+    mod, _, name = cfg["class"].rpartition(".")
+    cls = getattr(importlib.import_module(mod), name)
+    target.set_tap_layers(cfg["tap_layers"])  # the draft was trained on these taps
+    head = cls(target=target, **cfg["init_args"])
+    head.target_identity = cfg["target"]
+    head.check_target(target)
+    state = load_file(str(Path(path) / "model.safetensors"))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{path}/model.safetensors does not match {cfg['class']}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return head

@@ -1,0 +1,160 @@
+"""EAGLE-3 draft head (Li et al., "EAGLE-3: Scaling up Inference Acceleration of LLMs via Training-Time Test", arXiv 2503.01840).
+
+- ``fc``: Linear(n_taps·d_target → d, no bias) fuses the low/mid/high tap states.
+- ``midlayer``: one decoder layer whose attention input is ``[RMSNorm(embed(token)); RMSNorm(hidden)]``
+  (2d wide into q/k/v), residual from ``hidden``; SwiGLU MLP; then ``norm`` and ``lm_head`` over a
+  reduced draft vocabulary (``d2t`` offsets: ``target_id = draft_id + d2t[draft_id]``; ``t2d`` boolean
+  over the target vocabulary). The token embedding is copied from the target and frozen.
+- Training-time test: unroll ``ttt_steps`` steps; step j feeds the draft's own pre-norm output of step
+  j−1 as the hidden input, positions advance by one per step, and a query sees the step-0 keys causally
+  plus its own position's key from each later step (:func:`models.layers.ttt_mask`).
+- Loss: soft cross-entropy against the target's distribution restricted to the draft vocabulary, step
+  weights ``step_decay**j``; positions whose target argmax is outside the draft vocabulary are masked.
+
+Alignment (``loss_mask`` convention of :mod:`data.chat`): at step j, position t holds hidden input for
+position t and token ``input_ids[t+1+j]``, and learns the target's distribution at position t+1+j
+(the next token, ``input_ids[t+2+j]``), weighted by ``loss_mask[t+2+j]``.
+Module names follow SGLang/SpecForge (``fc``, ``midlayer``, ``norm``, ``lm_head``, ``d2t``, ``t2d``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data.errors import UserError
+from models.heads.base import DraftHead, HeadOutput
+from models.layers import MLP, Attention, RMSNorm, Rotary, soft_cross_entropy, ttt_attention
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
+    """x[:, t] ← x[:, t+n] along dim 1, padding the end with ``fill``."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def step_weights(loss_mask: torch.Tensor, in_vocab: torch.Tensor, valid: torch.Tensor, j: int) -> torch.Tensor:
+    """Loss weight [B, T] of unroll step j: position t learns token t+2+j, so it counts where
+    ``loss_mask[t+2+j]`` is set, that token is real (not padding), and the target's argmax at t+1+j is in
+    the draft vocabulary."""
+    return (shift_left(loss_mask, 2 + j) * shift_left(in_vocab.long(), 1 + j) * shift_left(valid, 2 + j)).float()
+
+
+def build_draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``size`` most frequent target ids (ties: lower id) → ``d2t`` [size] offsets and ``t2d`` bool [V]."""
+    V = token_counts.numel()
+    size = min(size, V)
+    order = torch.argsort(-token_counts.double(), stable=True)  # ties: lower id first
+    ids = torch.sort(order[:size]).values
+    d2t = ids - torch.arange(size)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, d: int, n_heads: int, n_kv: int, head_dim: int, d_ff: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d, eps)    # on the token embedding
+        self.hidden_norm = RMSNorm(d, eps)        # on the fused / previous hidden state
+        self.self_attn = Attention(d, n_heads, n_kv, head_dim, d_in=2 * d)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = MLP(d, d_ff)
+
+
+class Eagle3Head(DraftHead):
+    family = "eagle3"
+    tap_method = "eagle3"
+    needs_teacher_logits = True
+
+    def __init__(self, target: Any, ttt_steps: int = 7, draft_vocab_size: int | None = 32000, step_decay: float = 0.8,
+                 num_heads: int | None = None, num_kv_heads: int | None = None, intermediate_size: int | None = None,
+                 rope_theta: float | None = None, rms_eps: float = 1e-6):
+        super().__init__(target, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, step_decay=step_decay,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                         rope_theta=rope_theta, rms_eps=rms_eps)
+        if ttt_steps < 1:
+            raise UserError(f"draft.ttt_steps={ttt_steps}: must be >= 1")
+        tc = target.config
+        d, V = tc.hidden_size, tc.vocab_size
+        n_taps = len(target.tap_layers)
+        n_heads = num_heads or tc.num_attention_heads
+        n_kv = num_kv_heads or getattr(tc, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(tc, "head_dim", None) or d // n_heads
+        if head_dim * n_heads != d and not getattr(tc, "head_dim", None):
+            raise UserError(f"draft.num_heads={n_heads} does not divide the target's hidden size {d}")
+        if n_heads % n_kv:
+            raise UserError(f"draft.num_heads={n_heads} is not a multiple of num_kv_heads={n_kv}")
+        self.ttt_steps, self.step_decay = ttt_steps, step_decay
+        self.draft_vocab_size = min(draft_vocab_size or V, V)
+
+        self.embed_tokens = nn.Embedding(V, d)
+        self.embed_tokens.weight.data.copy_(target.embed_tokens().weight.data.float())
+        self.embed_tokens.requires_grad_(False)
+        self.fc = nn.Linear(n_taps * d, d, bias=False)
+        self.midlayer = Eagle3MidLayer(d, n_heads, n_kv, head_dim, intermediate_size or tc.intermediate_size, rms_eps)
+        self.norm = RMSNorm(d, rms_eps)
+        self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
+        self.rotary = Rotary(head_dim, rope_theta or getattr(tc, "rope_theta", None) or 10000.0)
+        d2t, t2d = build_draft_vocab(torch.ones(V), self.draft_vocab_size)  # identity-like until data is seen
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def num_steps(self) -> int:
+        return self.ttt_steps
+
+    def prepare_from_data(self, token_counts: torch.Tensor) -> None:
+        d2t, t2d = build_draft_vocab(token_counts, self.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, [Vd]."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """One draft step's projections. hidden [B, T, d], tokens [B, T] → (q, k, v) [B, H, T, hd]."""
+        emb = self.embed_tokens(tokens)
+        x = torch.cat([self.midlayer.input_layernorm(emb), self.midlayer.hidden_norm(hidden)], dim=-1)  # [B, T, 2d]
+        cos, sin = self.rotary(positions)
+        return self.midlayer.self_attn.qkv(x, cos, sin)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual + MLP. Returns (pre-norm output [B, T, d] fed to the next step, draft logits [B, T, Vd])."""
+        h = hidden + self.midlayer.self_attn.out(attn_out)
+        h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        return h, self.lm_head(self.norm(h))
+
+    def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
+        valid = batch.get("attention_mask", torch.ones_like(ids))
+        B, T = ids.shape
+        taps = feats.tap_states  # [B, T, n_taps, d]
+        hidden = self.fc(taps.flatten(-2).to(self.fc.weight.dtype))  # [B, T, d]
+        t_logits = feats.logits  # [B, T, V] target logits
+        t_top = t_logits.argmax(-1)  # [B, T]
+        t_probs = torch.softmax(t_logits[..., self.draft_ids()].float(), dim=-1)  # [B, T, Vd] on the draft vocabulary
+        in_vocab = self.t2d[t_top]  # [B, T]
+        base_pos = torch.arange(T, device=ids.device).expand(B, T)
+        keys, values = [], []
+        loss = hidden.new_zeros(())
+        correct = torch.zeros(self.ttt_steps, device=ids.device)
+        total = torch.zeros(self.ttt_steps, device=ids.device)
+        for j in range(self.ttt_steps):
+            q, k, v = self.step(hidden, shift_left(ids, 1 + j), base_pos + j)
+            keys.append(k)
+            values.append(v)
+            hidden, logits = self.finish(hidden, ttt_attention(q, keys, values, key_valid=valid))
+            w = step_weights(loss_mask, in_vocab, valid, j)  # [B, T]
+            p = shift_left(t_probs, 1 + j)  # [B, T, Vd]
+            loss = loss + (self.step_decay ** j) * soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
+            with torch.no_grad():
+                pred = logits.argmax(-1) + self.d2t[logits.argmax(-1)]  # target ids
+                hit = (pred == shift_left(t_top, 1 + j)).float() * (w > 0)
+                correct[j], total[j] = hit.sum(), (w > 0).sum()
+        return HeadOutput(loss=loss, correct=correct, total=total)

@@ -1,0 +1,167 @@
+"""The one copy of the blocks draft heads share: RMSNorm, rotary embedding, attention, SwiGLU MLP, decoder layer, masks, losses.
+
+Shapes: B batch, T tokens, H query heads, Hkv key/value heads, hd head dim, d model width, V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE, half-rotation layout as in Llama/Qwen)."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0):
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] → cos, sin [B, 1, T, hd]."""
+        f = positions.float()[..., None] * self.inv_freq  # [B, T, hd/2]
+        emb = torch.cat([f, f], dim=-1)
+        return emb.cos()[:, None], emb.sin()[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rot = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V; ``d_in`` may differ from ``d`` (EAGLE-3 feeds 2d-wide inputs)."""
+
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
+                 d_in: int | None = None, bias: bool = False):
+        super().__init__()
+        self.n_heads, self.n_kv = n_heads, n_kv_heads or n_heads
+        self.hd = head_dim or d // n_heads
+        d_in = d_in or d
+        self.q_proj = nn.Linear(d_in, self.n_heads * self.hd, bias=bias)
+        self.k_proj = nn.Linear(d_in, self.n_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(d_in, self.n_kv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d_in] → q [B, H, T, hd], k, v [B, H, T, hd] (K/V repeated to H heads), rotary applied."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        rep = self.n_heads // self.n_kv
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return q, k, v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, H, T, hd] → [B, T, d]."""
+        B, H, T, hd = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * hd))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+                is_causal: bool = False) -> torch.Tensor:
+        """Plain attention over x itself; ``mask`` boolean [.., T, T] (True = may attend)."""
+        q, k, v = self.qkv(x, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None)
+        return self.out(o)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, d: int, d_ff: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, d_ff, bias=False)
+        self.up_proj = nn.Linear(d, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama-style block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int | None, d_ff: int, head_dim: int | None = None, eps: float = 1e-6):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = Attention(d, n_heads, n_kv_heads, head_dim)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = MLP(d, d_ff)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+                is_causal: bool = True) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def causal_mask(T: int, device=None) -> torch.Tensor:
+    """Boolean [T, T], True where query i may attend key j (j <= i)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
+    """EAGLE-3 training-time-test mask for unroll step ``step`` over keys ``[K_0; K_1; ...; K_step]``.
+
+    Boolean [T, T·(step+1)]: a query at position t sees the step-0 keys at positions <= t (causal) and,
+    from each later step i in 1..step, only the key at its own position t (its own drafted chain).
+    """
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([causal_mask(T, device)] + [eye] * step, dim=1)
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention under :func:`ttt_mask` without materialising the [T, T·(j+1)] mask.
+
+    q [B, H, T, hd]; keys/values: step 0..j, each [B, H, T, hd]; key_valid [B, T] marks real (non-pad)
+    step-0 keys. Step 0 is causal; later steps are diagonal (one score per position).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    T = q.shape[2]
+    s0 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, H, T, T]
+    allowed = causal_mask(T, q.device)
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, :].bool()
+    s0 = s0.masked_fill(~allowed, torch.finfo(s0.dtype).min)
+    diag = [((q * k).sum(-1, keepdim=True) * scale) for k in keys[1:]]  # j × [B, H, T, 1]
+    p = torch.softmax(torch.cat([s0] + diag, dim=-1).float(), dim=-1).to(q.dtype)
+    out = p[..., :T] @ values[0]
+    for i, v in enumerate(values[1:]):
+        out = out + p[..., T + i: T + i + 1] * v
+    return out
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Σ weight · (−Σ_v p log q) / Σ weight.  logits, target_probs [N, V]; weight [N]."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    per = -(target_probs.float() * logq).sum(-1)
+    return (per * weight).sum() / weight.sum().clamp_min(1.0)
+
+
+def expected_acceptance_length(acc: list[float] | torch.Tensor) -> float:
+    """1 + Σ_k Π_{j<=k} acc_j: the expected tokens per verification if step j is accepted with prob acc_j."""
+    total, run = 1.0, 1.0
+    for a in (acc.tolist() if isinstance(acc, torch.Tensor) else acc):
+        run *= float(a)
+        total += run
+    return total

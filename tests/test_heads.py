@@ -1,0 +1,91 @@
+"""Every draft config in conf/draft/ on a tiny target: shapes, loss, gradients, frozen parts, export/load round trip.
+
+A new head is tested by adding its YAML file: nothing here names a head.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import ROOT, tiny_model
+from data.errors import UserError
+from models.heads import load_draft
+from models.target import FrozenTarget, default_tap_layers
+
+DRAFT_CONFIGS = sorted((ROOT / "conf" / "draft").glob("*.yaml"))
+
+
+def make_head(cfg_path: Path, layers: int = 6, **over):
+    cfg = OmegaConf.load(cfg_path)
+    cls = hydra.utils.get_class(cfg._target_)
+    target = FrozenTarget(model=tiny_model("llama", layers=layers), tap_layers=default_tap_layers(layers, cls.tap_method, 3))
+    cfg = OmegaConf.merge(cfg, over)
+    torch.manual_seed(0)
+    return target, hydra.utils.instantiate(cfg, target=target, _convert_="all")
+
+
+def batch(B=2, T=24, V=128):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    mask[:, 8:] = 1
+    att = torch.ones(B, T, dtype=torch.long)
+    att[1, 20:] = 0
+    mask[1, 20:] = 0
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": att}
+
+
+@pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
+def test_head_loss_gradients_and_frozen_parts(cfg_path):
+    target, head = make_head(cfg_path)
+    b = batch()
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=head.needs_teacher_logits)
+    frozen = {n: p.detach().clone() for n, p in head.named_parameters() if not p.requires_grad}
+    out = head.training_loss(b, feats)
+    assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+    assert out.correct.shape == out.total.shape == (head.num_steps,) and (out.total > 0).all()
+    out.loss.backward()
+    trainable = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None and torch.isfinite(p.grad).all() for _, p in trainable)
+    assert sum(p.grad.abs().sum() > 0 for _, p in trainable) >= len(trainable) - 1
+    assert all(p.grad is None for n, p in head.named_parameters() if not p.requires_grad)
+    # a few optimiser steps change the trainable weights and leave the frozen ones alone
+    opt = torch.optim.AdamW([p for _, p in trainable], lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        head.training_loss(b, feats).loss.backward()
+        opt.step()
+    assert all(torch.equal(frozen[n], p) for n, p in head.named_parameters() if n in frozen)
+    assert not any(p.requires_grad for p in target.parameters())
+
+
+@pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
+def test_export_load_round_trip(cfg_path, tmp_path):
+    target, head = make_head(cfg_path)
+    head.prepare_from_data(torch.arange(128).flip(0))
+    b = batch()
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
+    head.export(tmp_path / "draft", train_config={"hello": 1})
+    loaded = load_draft(tmp_path / "draft", target)
+    assert type(loaded) is type(head)
+    for (n1, t1), (n2, t2) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(t1, t2)
+    torch.manual_seed(0)
+    a = head.training_loss(b, feats).loss
+    torch.manual_seed(0)
+    assert torch.equal(a, loaded.training_loss(b, feats).loss)
+
+
+@pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
+def test_draft_for_another_target_is_refused(cfg_path, tmp_path):
+    _, head = make_head(cfg_path)
+    head.export(tmp_path / "draft")
+    other = FrozenTarget(model=tiny_model("llama", layers=6, vocab_size=96))
+    with pytest.raises(UserError, match="vocab_size"):
+        load_draft(tmp_path / "draft", other)
+    with pytest.raises(UserError, match="not an exported draft"):
+        load_draft(tmp_path / "nothing", other)

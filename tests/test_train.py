@@ -1,0 +1,149 @@
+"""The training pipeline on a tiny target: run + export, online = offline loss, resume after SIGKILL, 2-process DDP, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT, train_overrides, write_tiny_target
+from data.errors import UserError
+
+
+def compose_train(overrides):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def test_train_exports_a_loadable_draft(tiny_target_dir, tiny_chats, tmp_path):
+    from models.heads import load_draft
+    from models.target import FrozenTarget
+    from train.__main__ import run
+
+    result = run(compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run", steps=4)))
+    assert result["global_step"] == 4 and 1.0 <= result["val/acc_len"] <= 4.0
+    assert (tmp_path / "run/checkpoints/last.ckpt").exists() and (tmp_path / "run/checkpoints/best.ckpt").exists()
+    assert "draft:" in (tmp_path / "run/checkpoints/config.yaml").read_text()
+    head = load_draft(tmp_path / "run/draft", FrozenTarget(str(tiny_target_dir)))
+    assert json.loads((tmp_path / "run/draft/train_config.json").read_text())["trainer"]["max_steps"] == 4
+    assert head.num_steps == 3
+    # checkpoints leave the frozen target out
+    state = torch.load(tmp_path / "run/checkpoints/last.ckpt", weights_only=False)["state_dict"]
+    assert state and not any(k.startswith("target.") for k in state)
+
+
+def test_online_and_offline_give_the_same_loss(tiny_target_dir, tiny_chats, tmp_path):
+    from data.features import FeatureDataset, identity_of, write_features
+    from train.build import build
+    from train.module import DraftModule
+
+    cfg = compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run"))
+    target, head, dm = build(cfg)
+    ds = dm.split("train")
+    stats = write_features(target, ds, tmp_path / "feat/train", batch_size=3, shard_samples=7, dtype="float32")
+    assert stats["samples"] == len(ds) and stats["bytes_per_token"] > 4 * 32 * 3
+    feats = FeatureDataset(tmp_path / "feat/train", identity_of(target))
+    from data.datamodule import collate
+
+    rows = [ds[i] for i in range(4)]
+    online, offline = collate(rows), collate([feats[i] for i in range(4)])
+    assert torch.equal(online["input_ids"], offline["input_ids"]) and torch.equal(online["loss_mask"], offline["loss_mask"])
+    module = DraftModule(target, head)
+    a, b = module._step(online), module._step(offline)
+    assert torch.allclose(a.loss, b.loss, atol=1e-5) and torch.equal(a.correct, b.correct)
+    # bf16 cache: close, not identical
+    write_features(target, ds, tmp_path / "feat16/train", dtype="bfloat16")
+    c = module._step(collate([FeatureDataset(tmp_path / "feat16/train")[i] for i in range(4)]))
+    assert torch.allclose(a.loss, c.loss, rtol=0.05)
+
+
+def test_offline_cache_bad_inputs(tiny_target_dir, tiny_chats, tmp_path):
+    from data.features import FeatureDataset, identity_of, write_features
+    from train.build import build
+
+    cfg = compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run"))
+    target, _, dm = build(cfg)
+    d = tmp_path / "feat/train"
+    write_features(target, dm.split("train"), d, shard_samples=8)
+    ident = identity_of(target)
+    with pytest.raises(UserError, match="tap_layers"):
+        FeatureDataset(d, {**ident, "tap_layers": [0, 2]})
+    with pytest.raises(UserError, match="target="):
+        FeatureDataset(d, {**ident, "target": {**ident["target"], "hidden_size": 64}})
+    shard = sorted(d.glob("shard-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])  # truncated
+    with pytest.raises(UserError, match="checksum"):
+        FeatureDataset(d, ident)
+    with pytest.raises(UserError, match="no feature cache"):
+        FeatureDataset(tmp_path / "empty", ident)
+
+
+def run_cli(args, timeout=240, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill(tiny_target_dir, tiny_chats, tmp_path):
+    run_dir = tmp_path / "run"
+    args = train_overrides(tiny_target_dir, tiny_chats, run_dir, steps=400) + ["trainer.val_check_interval=3"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    last = run_dir / "checkpoints/last.ckpt"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if last.exists() and torch.load(last, weights_only=False)["global_step"] >= 6:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, f"training ended before it could be killed: {proc.stderr.read()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = torch.load(last, weights_only=False)["global_step"]
+    assert 6 <= killed_at < 400
+    r = run_cli(args[:-1] + ["trainer.max_steps=" + str(killed_at + 6), "trainer.val_check_interval=3", "ckpt_path=last"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout[r.stdout.index("{\n"):r.stdout.rindex("}") + 1])
+    assert result["global_step"] == killed_at + 6
+    assert f"resuming from step {killed_at}" in r.stdout
+
+
+@pytest.mark.slow
+def test_two_process_ddp_on_cpu(tiny_target_dir, tiny_chats, tmp_path):
+    args = train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run", steps=3) + [
+        "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32",
+        "trainer.enable_progress_bar=false", "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1"]
+    r = run_cli(args, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "world_size=2" in r.stdout + r.stderr or "GLOBAL_RANK: 1" in r.stdout + r.stderr
+    assert (tmp_path / "run/draft/model.safetensors").exists()
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["target.tap_layers=[1,9]"], "out of range"),
+    (["draft.num_heads=3"], "num_heads"),
+    (["ckpt_path=/nonexistent/x.ckpt"], "ckpt_path"),
+    (["draft.ttt_steps=0"], "ttt_steps"),
+    (["features=offline", "data.feature_dir=/nonexistent/features"], "no feature cache"),
+])
+def test_bad_input_one_line(tiny_target_dir, tiny_chats, tmp_path, extra, expect):
+    r = run_cli(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run") + extra)
+    assert r.returncode == 2, r.stderr[-2000:]
+    errs = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(errs) == 1 and expect in errs[0] and "Traceback" not in r.stderr
+
+
+def test_unknown_config_key_is_refused(tiny_target_dir, tiny_chats, tmp_path):
+    r = run_cli(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run") + ["draft.no_such_key=1"])
+    assert r.returncode != 0 and "no_such_key" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,89 @@
+"""One LightningModule for every draft head: features, optimisation, logging, validation that predicts decoding.
+
+The head owns its forward and loss (:class:`models.heads.base.DraftHead`); this module owns AdamW, the
+warm-up + cosine schedule, the frozen target, and the validation metrics: per-step top-1 accuracy
+``acc_j`` (step j = the j-th drafted token) and the expected acceptance length
+``1 + Σ_k Π_{j<=k} acc_j`` (``val/acc_len``), on which checkpoints are selected.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from models.layers import expected_acceptance_length
+from models.target import TargetOutput
+from train.schedule import warmup_cosine
+
+
+class DraftModule(L.LightningModule):
+    def __init__(self, target: Any, head: Any, lr: float = 3e-4, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), warmup_ratio: float = 0.04, min_lr_ratio: float = 0.0):
+        super().__init__()
+        self.target, self.head = target, head
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.warmup_ratio, self.min_lr_ratio = warmup_ratio, min_lr_ratio
+        self.strict_loading = False  # checkpoints leave out the frozen target
+        self._val_correct = self._val_total = None
+
+    # -- features -------------------------------------------------------------------------------
+    def features(self, batch: dict[str, torch.Tensor]) -> TargetOutput:
+        """Target features for a batch: from the batch (offline cache) or from the frozen target (online)."""
+        need_logits = self.head.needs_teacher_logits
+        if "tap_states" in batch:
+            last = batch["last_state"].float()
+            logits = self.target.model.lm_head(last) if need_logits else None
+            return TargetOutput(tap_states=batch["tap_states"].float(), last_state=last, logits=logits)
+        with torch.no_grad():
+            return self.target(batch["input_ids"], attention_mask=batch["attention_mask"], return_logits=need_logits)
+
+    def _step(self, batch: dict[str, torch.Tensor]):
+        return self.head.training_loss(batch, self.features(batch))
+
+    # -- loops ----------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, torch.Tensor], _: int) -> torch.Tensor:
+        out = self._step(batch)
+        acc = out.correct / out.total.clamp_min(1)
+        self.log("train/loss", out.loss, prog_bar=True)
+        self.log("train/acc_len", expected_acceptance_length(acc), prog_bar=True)
+        self.log("train/tokens", float(batch["attention_mask"].sum()), reduce_fx="sum")
+        for k, v in out.metrics.items():
+            self.log(f"train/{k}", v)
+        return out.loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_correct = self._val_total = None
+
+    def validation_step(self, batch: dict[str, torch.Tensor], _: int) -> None:
+        out = self._step(batch)
+        self.log("val/loss", out.loss, prog_bar=False, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        c, t = out.correct.detach(), out.total.detach()
+        self._val_correct = c if self._val_correct is None else self._val_correct + c
+        self._val_total = t if self._val_total is None else self._val_total + t
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_correct is None:
+            return
+        c, t = self._val_correct, self._val_total
+        if self.trainer.world_size > 1:
+            c, t = self.all_gather(c).sum(0), self.all_gather(t).sum(0)
+        acc = c / t.clamp_min(1)
+        for j, a in enumerate(acc.tolist()):
+            self.log(f"val/acc_{j}", a, sync_dist=False)
+        self.log("val/acc_len", expected_acceptance_length(acc), prog_bar=True, sync_dist=False)
+
+    # -- optimisation ---------------------------------------------------------------------------
+    def configure_optimizers(self):
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=self.betas)
+        total = self.trainer.estimated_stepping_batches
+        sched = warmup_cosine(opt, int(self.warmup_ratio * total), total, self.min_lr_ratio)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- checkpoints: the frozen target is not saved ---------------------------------------------
+    def on_save_checkpoint(self, ckpt: dict) -> None:
+        ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if not k.startswith("target.")}
