@@ -32,12 +32,16 @@ def hf_hidden_index(layer: int) -> int:
 def default_tap_layers(num_layers: int, method: str = "eagle3", n_taps: int = 5) -> list[int]:
     """Default tap layers (decoder-layer indices) per DESIGN.md §2.
 
-    eagle3: ``[1, L//2 - 1, L - 4]``. dflash: ``n_taps`` spread uniformly over layers 1..L-3
+    eagle3: ``[1, L//2 - 1, L - 4]`` (on shallow targets where these collide, the next layer up: L=6 →
+    [1, 2, 3]). dflash: ``n_taps`` spread uniformly over layers 1..L-3
     (Qwen3-8B, L=36 → [1, 9, 17, 25, 33]).
     """
     L = num_layers
     if method == "eagle3":
-        return sorted({max(0, min(L - 1, i)) for i in (1, L // 2 - 1, L - 4)})
+        taps = [1, L // 2 - 1, L - 4]
+        for i in (1, 2):  # shallow targets: where the rule collides, take the next layer up
+            taps[i] = max(taps[i], taps[i - 1] + 1)
+        return sorted({max(0, min(L - 1, i)) for i in taps})
     if method == "dflash":
         lo, hi = 1, max(1, L - 3)
         if n_taps == 1:

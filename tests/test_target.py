@@ -44,7 +44,8 @@ def test_default_taps():
     assert default_tap_layers(36, "eagle3") == [1, 17, 32]
     assert default_tap_layers(32, "eagle3") == [1, 15, 28]
     assert default_tap_layers(36, "dflash") == [1, 9, 17, 25, 33]
-    assert FrozenTarget(model=tiny_model("llama", layers=6)).tap_layers == [1, 2]
+    assert default_tap_layers(6, "eagle3") == [1, 2, 3] and default_tap_layers(4, "eagle3") == [1, 2, 3]
+    assert FrozenTarget(model=tiny_model("llama", layers=6)).tap_layers == [1, 2, 3]
 
 
 def test_bad_taps_and_paths(tmp_path):
