@@ -79,7 +79,6 @@ class TargetOutput:
     tap_states: torch.Tensor          # [B, T, n_taps, d]
     last_state: torch.Tensor          # [B, T, d]  final-norm output (feeds lm_head)
     logits: torch.Tensor | None = None  # [B, T, V] only when asked
-    past_key_values: Any = None       # the target's KV cache when use_cache=True
 
 
 class FrozenTarget(nn.Module):
@@ -144,12 +143,12 @@ class FrozenTarget(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, return_logits: bool = False,
-                past_key_values: Any = None, use_cache: bool = False, position_ids: torch.Tensor | None = None) -> TargetOutput:
-        out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                cache: Any = None, use_cache: bool = False, position_ids: torch.Tensor | None = None) -> TargetOutput:
+        """``cache``: a transformers ``Cache`` extended in place when ``use_cache`` (the decoder's KV cache)."""
+        out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
                                use_cache=use_cache, output_hidden_states=True, position_ids=position_ids)
         hs = out.hidden_states  # (L + 1) × [B, T, d]
         taps = torch.stack([hs[hf_hidden_index(i)] for i in self.tap_layers], dim=2)  # [B, T, n_taps, d]
         last = out.last_hidden_state  # [B, T, d], after the final norm
         logits = self.model.lm_head(last) if return_logits else None
-        return TargetOutput(tap_states=taps, last_state=last, logits=logits,
-                            past_key_values=out.past_key_values if use_cache else None)
+        return TargetOutput(tap_states=taps, last_state=last, logits=logits)

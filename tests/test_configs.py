@@ -12,7 +12,7 @@ CONF = ROOT / "conf"
 PRIMARY = sorted(p.stem for p in CONF.glob("*.yaml"))
 # group folder -> primary config that uses it
 GROUP_HOME = {"target": "train", "data": "train", "draft": "train", "features": "train", "trainer": "train", "logger": "train",
-              "callbacks": "train", "experiment": "train", "experiment_target": "embedded_target"}
+              "callbacks": "train", "experiment": "train", "experiment_target": "embedded_target", "eval_set": "eval"}
 GROUP_FILES = [(g, p.stem) for g in sorted(GROUP_HOME) for p in sorted((CONF / g).glob("*.yaml"))]
 
 
@@ -26,7 +26,8 @@ def test_primary_config_composes(name):
 @pytest.mark.parametrize("group,option", GROUP_FILES)
 def test_group_option_composes(group, option):
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose(GROUP_HOME[group], overrides=[f"{group}={option}"])
+        value = f"[{option}]" if group == "eval_set" else option  # eval_set is a list of sets
+        cfg = compose(GROUP_HOME[group], overrides=[f"{group}={value}"])
     assert cfg
 
 

@@ -158,3 +158,63 @@ class Eagle3Head(DraftHead):
                 hit = (pred == shift_left(t_top, 1 + j)).float() * (w > 0)
                 correct[j], total[j] = hit.sum(), (w > 0).sum()
         return HeadOutput(loss=loss, correct=correct, total=total)
+
+    # -- inference (the decoder's Drafter protocol) ----------------------------------------------
+    def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
+        """After prefill: the prompt's tap states become pending context (each still needs its next token)."""
+        self._ctx_k = self._ctx_v = None  # step-0 keys/values of processed context [1, H, Tc, hd]
+        self._pos = 0
+        self._pending_h = self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))  # [1, m, d]
+        self._pending_next = prompt_ids.view(-1)[1:]  # next token of each pending position but the last
+
+    def commit(self, tokens: torch.Tensor, feats: Any) -> None:
+        """Accepted tokens ``[x, d_1..d_n]`` and their target features become pending context."""
+        self._pending_h = self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))
+        self._pending_next = tokens.view(-1)[1:]
+
+    def _choose(self, logits: torch.Tensor, sampler: Any) -> tuple[int, torch.Tensor | None]:
+        """Draft logits [Vd] → (target id, q over the target vocabulary [V] or None when greedy)."""
+        if sampler.greedy:
+            i = int(logits.argmax())
+            return i + int(self.d2t[i]), None
+        q = torch.softmax(logits.float() / sampler.temperature, dim=-1)
+        i = int(torch.multinomial(q, 1, generator=sampler.generator))
+        full = torch.zeros(self.t2d.numel(), dtype=q.dtype, device=q.device)
+        full[self.draft_ids()] = q
+        return i + int(self.d2t[i]), full
+
+    @torch.no_grad()
+    def propose(self, pending: int, k: int, sampler: Any):
+        from eval.decoder import Proposal
+
+        # 1) extend the context with the pending positions (causal among themselves)
+        nxt = torch.cat([self._pending_next, torch.tensor([pending], device=self._pending_next.device)])[None]  # [1, m]
+        h = self._pending_h
+        m = h.shape[1]
+        pos = torch.arange(self._pos, self._pos + m, device=h.device)[None]
+        q, k_, v_ = self.step(h, nxt, pos)
+        past = 0 if self._ctx_k is None else self._ctx_k.shape[2]
+        self._ctx_k = k_ if self._ctx_k is None else torch.cat([self._ctx_k, k_], 2)
+        self._ctx_v = v_ if self._ctx_v is None else torch.cat([self._ctx_v, v_], 2)
+        mask = torch.ones(m, past + m, dtype=torch.bool, device=h.device).tril(past)  # [m, past+m]
+        o = torch.nn.functional.scaled_dot_product_attention(q, self._ctx_k, self._ctx_v, attn_mask=mask)
+        h_out, logits = self.finish(h, o)
+        self._pos += m
+        self._pending_h, self._pending_next = h[:, :0], self._pending_next[:0]
+        # 2) chain: feed the draft's own pre-norm output and drafted token, positions advancing
+        last_h, last_logits = h_out[:, -1:], logits[0, -1]
+        ks, vs = self._ctx_k, self._ctx_v
+        tokens, probs = [], []
+        for j in range(k):
+            t, qv = self._choose(last_logits, sampler)
+            tokens.append(t)
+            probs.append(qv)
+            if j == k - 1:
+                break
+            q, k1, v1 = self.step(last_h, torch.tensor([[t]], device=h.device), torch.tensor([[self._pos + j]], device=h.device))
+            ks, vs = torch.cat([ks, k1], 2), torch.cat([vs, v1], 2)
+            o = torch.nn.functional.scaled_dot_product_attention(q, ks, vs)
+            last_h, lg = self.finish(last_h, o)
+            last_logits = lg[0, -1]
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long),
+                        probs=None if sampler.greedy else torch.stack(probs))

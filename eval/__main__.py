@@ -1,0 +1,54 @@
+"""``python -m eval``: acceptance and speed-up of drafters on held-out sets, beside plain decoding.
+
+    python -m eval                                            # n-gram + the EAGLE-3 run of `python -m train`
+    python -m eval drafters.eagle3.path=runs/eagle3-quick/draft eval_set=[mtbench] limit=10
+    python -m eval eval_set=[jsonl] eval_set.jsonl.path=my_prompts.jsonl temperatures=[0]
+
+Writes ``results.json``, ``results.md`` (the table, with the protocol) and ``acceptance.png`` into the run
+directory and prints the table.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from data.errors import UserError, cli
+
+
+def run(cfg: DictConfig) -> dict:
+    from eval.run import build_drafter, evaluate, write_report
+    from models.target import load_tokenizer
+    from train.build import instantiate
+
+    target = instantiate(cfg.target)
+    tok = load_tokenizer(cfg.target.name_or_path)
+    drafters = {name: build_drafter(node, target) for name, node in (cfg.drafters or {}).items() if node is not None}
+    sets = []
+    for name, node in (cfg.eval_set or {}).items():
+        pset = instantiate(node)
+        if cfg.limit and not node.get("limit"):
+            pset.limit = cfg.limit
+        sets.append(pset)
+    if not sets:
+        raise UserError("eval_set is empty: choose at least one of mtbench, humaneval, sharegpt, jsonl")
+    protocol = {"target": str(cfg.target.name_or_path), "template": f"{type(tok).__name__}.chat_template",
+                "temperatures": list(cfg.temperatures), "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+                "k": cfg.k, "limit": cfg.limit, "drafters": list(drafters), "seed": cfg.seed}
+    print("protocol: " + ", ".join(f"{k}={v}" for k, v in protocol.items()))
+    results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed)
+    table = write_report(results, protocol, Path(cfg.out_dir))
+    print(table)
+    print(f"wrote {cfg.out_dir}/results.json, results.md, acceptance.png")
+    return results
+
+
+@hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
+@cli
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

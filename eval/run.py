@@ -1,0 +1,245 @@
+"""Acceptance evaluation: every drafter beside plain decoding, on the same prompts, side by side in one run.
+
+For each prompt set, temperature and prompt, plain decoding runs first and then each drafter, so that
+wall-clock ratios (speed-up) come from interleaved runs on the same prompts. Multi-turn sets feed the
+target's own answer of turn i into turn i+1. Results: τ, per-position conditional acceptance, the
+histogram of accepted lengths, tokens/s, speed-up over plain decoding, the time split (draft, verify,
+prefill, the decoder's own work), and at T=0 whether the output is identical to plain decoding.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data.errors import UserError
+from eval.decoder import GenStats, NoDrafter, Sampler, SpeculativeDecoder
+
+
+@dataclass
+class Agg:
+    """Statistics of one drafter on one (set, temperature), summed over prompts and turns."""
+
+    new_tokens: int = 0
+    passes: int = 0
+    verified: int = 0
+    hist: dict[int, int] = field(default_factory=dict)
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_prefill: float = 0.0
+    t_total: float = 0.0
+    generations: int = 0
+    identical: int = 0
+
+    def add(self, st: GenStats) -> None:
+        self.new_tokens += st.new_tokens
+        self.passes += st.passes
+        self.verified += st.verified_tokens
+        for a in st.accepted_hist:
+            self.hist[a] = self.hist.get(a, 0) + 1
+        for i, (p, a) in enumerate(zip(st.proposed_at, st.accepted_at)):
+            while len(self.proposed_at) <= i:
+                self.proposed_at.append(0)
+                self.accepted_at.append(0)
+            self.proposed_at[i] += p
+            self.accepted_at[i] += a
+        self.t_draft += st.t_draft
+        self.t_verify += st.t_verify
+        self.t_prefill += st.t_prefill
+        self.t_total += st.t_total
+        self.generations += 1
+
+    def summary(self, plain: "Agg | None") -> dict:
+        tps = self.new_tokens / max(self.t_total, 1e-9)
+        out = {
+            "tau": round(self.verified / max(self.passes, 1), 3),
+            "acceptance_per_position": [round(a / p, 3) if p else None for a, p in zip(self.accepted_at, self.proposed_at)],
+            "accepted_length_histogram": {str(k): v for k, v in sorted(self.hist.items())},
+            "new_tokens": self.new_tokens,
+            "verify_passes": self.passes,
+            "tokens_per_s": round(tps, 1),
+            "time_s": round(self.t_total, 2),
+            "time_share": {k: round(v / max(self.t_total, 1e-9), 3) for k, v in
+                           (("draft", self.t_draft), ("verify", self.t_verify), ("prefill", self.t_prefill),
+                            ("decoder", self.t_total - self.t_draft - self.t_verify - self.t_prefill))},
+        }
+        if plain is not None:
+            out["speedup"] = round(tps / max(plain.new_tokens / max(plain.t_total, 1e-9), 1e-9), 3)
+        return out
+
+
+def build_drafter(node: Any, target: Any) -> Any:
+    """Instantiate a drafter config; factories that take ``target`` get it (trained heads need their target)."""
+    import hydra
+    from hydra.errors import InstantiationException
+
+    try:
+        part = hydra.utils.instantiate(node, _partial_=True, _convert_="all")
+        fn = part.func if hasattr(part, "func") else part
+        takes_target = "target" in inspect.signature(fn).parameters
+        return part(target=target) if takes_target else part()
+    except InstantiationException as e:
+        if isinstance(e.__cause__, UserError):
+            raise e.__cause__ from None
+        raise
+
+
+def load_head(path: str, target: Any) -> Any:
+    """A trained draft head exported by ``python -m train`` (``run_dir/draft``)."""
+    from models.heads import load_draft
+
+    head = load_draft(path, target)
+    return head.eval()
+
+
+def load_model_drafter(path: str, target: Any = None, dtype: str = "float32") -> Any:
+    """An independent small causal LM (same tokenizer as the target) as the classic draft model."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.baselines import ModelDrafter
+    from models.target import DTYPES, resolve_path
+
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise UserError(f"draft model {path}: no such model directory (train one with "
+                        "`python -m train.embedded_target experiment_target=draft_model`)")
+    model = AutoModelForCausalLM.from_pretrained(resolve_path(str(p)), dtype=DTYPES[dtype])
+    if target is not None and model.config.vocab_size != target.vocab_size:
+        raise UserError(f"draft model {path}: vocabulary {model.config.vocab_size} != target's {target.vocab_size}")
+    return ModelDrafter(model)
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict]) -> torch.Tensor:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+@torch.no_grad()
+def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[Any], temperatures: list[float],
+             k: int = 5, max_new_tokens: int = 128, top_p: float = 1.0, seed: int = 0, eos_token_ids: list[int] | None = None,
+             log=print) -> dict:
+    if k < 1:
+        raise UserError(f"k={k}: the draft length must be >= 1")
+    for t in temperatures:
+        Sampler(float(t), top_p)  # validates
+    dec = SpeculativeDecoder(target, eos_token_ids if eos_token_ids is not None else _eos_ids(target, tokenizer))
+    results: dict = {}
+    default_taps = list(target.tap_layers)
+    for pset in sets:
+        convs = pset.conversations()
+        if not convs:
+            raise UserError(f"prompt set {pset.name}: no prompts")
+        for temp in temperatures:
+            temp = float(temp)
+            aggs = {name: Agg() for name in ["plain", *drafters]}
+            for ci, conv in enumerate(convs):
+                histories = {name: ([{"role": "system", "content": conv["system"]}] if conv.get("system") else [])
+                             for name in aggs}
+                for ti, turn in enumerate(conv["turns"]):
+                    plain_out = None
+                    for name in aggs:
+                        drafter = NoDrafter() if name == "plain" else drafters[name]
+                        target.set_tap_layers(getattr(drafter, "tap_layers", default_taps))
+                        msgs = histories[name] + [{"role": "user", "content": turn}]
+                        ids = encode_prompt(tokenizer, msgs)
+                        g = torch.Generator().manual_seed(hash((seed, ci, ti)) % (2**31))
+                        out, st = dec.generate(ids, drafter, k=0 if name == "plain" else k, max_new_tokens=max_new_tokens,
+                                               sampler=Sampler(temp, top_p, generator=g))
+                        aggs[name].add(st)
+                        if name == "plain":
+                            plain_out = out
+                        elif temp == 0:
+                            aggs[name].identical += int(out == plain_out)
+                        answer = tokenizer.decode(out, skip_special_tokens=True).strip()
+                        histories[name] = msgs + [{"role": "assistant", "content": answer}]
+                if (ci + 1) % 10 == 0 or ci + 1 == len(convs):
+                    log(f"  [{pset.name} T={temp:g}] {ci + 1}/{len(convs)} " + " ".join(
+                        f"{n}:τ={a.verified / max(a.passes, 1):.2f}" for n, a in aggs.items() if n != "plain"))
+            row = {}
+            for name, a in aggs.items():
+                row[name] = a.summary(None if name == "plain" else aggs["plain"])
+                if name != "plain" and temp == 0:
+                    row[name]["greedy_identical"] = f"{a.identical}/{a.generations}"
+            results.setdefault(pset.name, {})[f"T={temp:g}"] = row
+    target.set_tap_layers(default_taps)
+    return results
+
+
+def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
+    ids = set()
+    gen = getattr(target.model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), target.config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(src)
+    return sorted(ids)
+
+
+def markdown_table(results: dict, protocol: dict) -> str:
+    """One row per (set, temperature, drafter)."""
+    k = protocol["k"]
+    head = ["set", "T", "drafter", "τ", *[f"acc@{i + 1}" for i in range(k)], "tok/s", "speed-up", "draft", "verify", "decoder", "greedy = plain"]
+    lines = [f"Protocol: template `{protocol['template']}`, max_new_tokens={protocol['max_new_tokens']}, k={k}, "
+             f"top_p={protocol['top_p']}, prompts per set ≤ {protocol['limit']}, target `{protocol['target']}`", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for sname, by_t in results.items():
+        for tname, by_d in by_t.items():
+            for dname, r in by_d.items():
+                acc = (r["acceptance_per_position"] + [None] * k)[:k]
+                ts = r["time_share"]
+                lines.append("| " + " | ".join([sname, tname[2:], dname, f"{r['tau']:.2f}",
+                                                 *["" if a is None else f"{a:.2f}" for a in acc],
+                                                 f"{r['tokens_per_s']:.0f}", f"{r.get('speedup', 1.0):.2f}×",
+                                                 f"{ts['draft']:.0%}", f"{ts['verify']:.0%}", f"{ts['decoder']:.0%}",
+                                                 r.get("greedy_identical") or ""]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(results: dict, path: Path) -> None:
+    """Per-position conditional acceptance per set (T=0 solid, T>0 dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(results)
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 3.6), squeeze=False)
+    for ax, sname in zip(axes[0], sets):
+        for ti, (tname, by_d) in enumerate(results[sname].items()):
+            for di, (dname, r) in enumerate(by_d.items()):
+                acc = [a for a in r["acceptance_per_position"] if a is not None]
+                if dname == "plain" or not acc:
+                    continue
+                ax.plot(range(1, len(acc) + 1), acc, marker="o", linestyle="-" if ti == 0 else "--", color=f"C{di}",
+                        label=f"{dname} {tname} (τ={r['tau']:.2f})")
+        ax.set_title(sname)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("conditional acceptance")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name("." + path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_report(results: dict, protocol: dict, out_dir: Path) -> str:
+    from data.errors import atomic_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(results, protocol)
+    with atomic_file(out_dir / "results.json") as f:
+        json.dump({"protocol": protocol, "results": results}, f, indent=2)
+    with atomic_file(out_dir / "results.md") as f:
+        f.write(table)
+    plot_acceptance(results, out_dir / "acceptance.png")
+    return table

@@ -1,0 +1,205 @@
+"""The speculative decoder is exactly lossless: greedy output = plain greedy output for every drafter, and
+sampled output follows the target's distribution (chi-square on a tiny vocabulary)."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import ROOT, tiny_model
+from data.errors import UserError
+from eval.baselines import ModelDrafter, NGramDrafter
+from eval.decoder import NoDrafter, Proposal, Sampler, SpeculativeDecoder, accept_greedy
+from models.target import FrozenTarget, default_tap_layers
+
+
+def plain_greedy(model, prompt, n, eos=None):
+    ids = prompt.view(1, -1)
+    out = []
+    for _ in range(n):
+        t = int(model(ids).logits[0, -1].argmax())
+        out.append(t)
+        ids = torch.cat([ids, torch.tensor([[t]])], 1)
+        if eos is not None and t in eos:
+            break
+    return out
+
+
+class Oracle:
+    """Mock drafter proposing the target's own greedy continuation, corrupted with probability `p_wrong`."""
+
+    def __init__(self, model, p_wrong: float, seed: int = 0):
+        self.model, self.p_wrong = model, p_wrong
+        self.g = torch.Generator().manual_seed(seed)
+
+    def start(self, prompt_ids, feats):
+        self.known = prompt_ids.view(-1).tolist()
+
+    def commit(self, tokens, feats):
+        self.known += tokens.tolist()
+
+    def propose(self, pending, k, sampler):
+        cont = plain_greedy(self.model, torch.tensor(self.known + [pending]), k)
+        V = self.model.config.vocab_size
+        toks = [t if float(torch.rand((), generator=self.g)) >= self.p_wrong else (t + 1) % V for t in cont]
+        return Proposal(torch.tensor(toks))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return FrozenTarget(model=tiny_model("llama", layers=4), tap_layers=[1, 2, 3])
+
+
+PROMPTS = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+
+
+@pytest.mark.parametrize("p_wrong", [0.0, 1.0, 0.4])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_equals_plain_with_mock_drafters(target, p_wrong, k):
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    for prompt in PROMPTS:
+        ref = plain_greedy(target.model, prompt, 20)
+        out, st = dec.generate(prompt, Oracle(target.model, p_wrong), k=k, max_new_tokens=20)
+        assert out == ref
+        assert st.new_tokens == 20 and st.verified_tokens == 19
+        if p_wrong == 0.0:
+            assert st.verified_tokens / st.passes > k * 0.8  # always agree: k + 1 per pass (budget aside)
+        if p_wrong == 1.0:
+            assert st.verified_tokens == st.passes and sum(st.accepted_hist) == 0
+
+
+def test_eos_inside_an_accepted_block_and_budget_inside_one(target):
+    prompt = PROMPTS[0]
+    ref = plain_greedy(target.model, prompt, 30)
+    eos_tok = ref[6]  # make the 7th generated token an EOS
+    stop = ref.index(eos_tok)
+    dec = SpeculativeDecoder(target, eos_token_ids=[eos_tok])
+    out, _ = dec.generate(prompt, Oracle(target.model, 0.0), k=5, max_new_tokens=30)
+    assert out == ref[: stop + 1]
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    for budget in (1, 2, 7, 11):
+        out, st = dec.generate(prompt, Oracle(target.model, 0.0), k=5, max_new_tokens=budget)
+        assert out == ref[:budget] and st.new_tokens == budget
+
+
+def test_plain_and_ngram_are_lossless(target):
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    prompt = torch.tensor([3, 4, 5, 6, 3, 4, 5, 6, 3, 4])
+    ref = plain_greedy(target.model, prompt, 25)
+    out, st = dec.generate(prompt, NoDrafter(), k=0, max_new_tokens=25)
+    assert out == ref and st.passes == 24
+    out, _ = dec.generate(prompt, NGramDrafter(3), k=4, max_new_tokens=25)
+    assert out == ref
+
+
+def test_ngram_lookup():
+    d = NGramDrafter(max_ngram=2)
+    d.start(torch.tensor([1, 2, 3, 9, 1, 2, 7, 8]), None)
+    assert d.propose(1, 3, Sampler()).tokens.tolist() == [2, 7, 8]  # latest match of [8, 1]? none; of [1] -> 2 7 8
+    assert d.propose(5, 3, Sampler()).tokens.numel() == 0
+
+
+def test_small_draft_model_is_lossless(target):
+    draft = tiny_model("llama", layers=2)
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    ref = plain_greedy(target.model, PROMPTS[1], 16)
+    out, _ = dec.generate(PROMPTS[1], ModelDrafter(draft), k=3, max_new_tokens=16)
+    assert out == ref
+
+
+@pytest.mark.parametrize("cfg_path", sorted((ROOT / "conf" / "draft").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_draft_config_decodes_losslessly(cfg_path, temperature):
+    cfg = OmegaConf.load(cfg_path)
+    cls = hydra.utils.get_class(cfg._target_)
+    model = tiny_model("llama", layers=6)
+    target = FrozenTarget(model=model, tap_layers=default_tap_layers(6, cls.tap_method, 3))
+    torch.manual_seed(0)
+    head = hydra.utils.instantiate(cfg, target=target, _convert_="all")
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    if temperature == 0:
+        ref = plain_greedy(model, PROMPTS[1], 18)
+        out, st = dec.generate(PROMPTS[1], head, k=4, max_new_tokens=18)
+        assert out == ref
+    else:
+        out, st = dec.generate(PROMPTS[1], head, k=4, max_new_tokens=18, sampler=Sampler(1.0, generator=torch.Generator().manual_seed(0)))
+        assert len(out) == 18
+    assert st.passes >= 1 and all(0 <= a <= 4 for a in st.accepted_hist)
+
+
+def test_accept_greedy():
+    logits = torch.zeros(4, 10)
+    logits[0, 3] = logits[1, 5] = logits[2, 1] = logits[3, 7] = 1
+    assert accept_greedy(torch.tensor([3, 5, 2]), logits) == (2, 1)
+    assert accept_greedy(torch.tensor([3, 5, 1]), logits) == (3, 7)
+    assert accept_greedy(torch.tensor([4, 5, 1]), logits) == (0, 3)
+
+
+class FixedQ:
+    """Mock drafter sampling from a fixed (wrong) distribution q over the vocabulary."""
+
+    def __init__(self, q, with_probs=True):
+        self.q, self.with_probs = q, with_probs
+
+    def start(self, p, f):
+        pass
+
+    def commit(self, t, f):
+        pass
+
+    def propose(self, pending, k, sampler):
+        toks = torch.multinomial(self.q, k, replacement=True, generator=sampler.generator)
+        return Proposal(toks, self.q.expand(k, -1) if self.with_probs else None)
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_sampling_matches_target_distribution(with_probs):
+    """Chi-square of the 2nd and 3rd generated tokens (produced by verification) against the exact marginals.
+
+    V=6, N=3000: a 5% shift of probability mass between two tokens moves chi-square by ~N·0.05²/p ≈ 20+,
+    far above the 0.001 critical value (20.5 at 5 degrees of freedom), so an error of that size fails."""
+    torch.manual_seed(0)
+    V = 6
+    model = tiny_model("llama", vocab_size=V, layers=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # a peaked, non-uniform target
+    target = FrozenTarget(model=model, tap_layers=[1])
+    prompt = torch.tensor([1, 2, 3])
+    sampler = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1))
+
+    def p_next(seq):
+        with torch.no_grad():
+            return torch.softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
+
+    # exact marginals of tokens 2 and 3
+    p1 = p_next(prompt.tolist())
+    m2, m3 = torch.zeros(V), torch.zeros(V)
+    for a in range(V):
+        p2 = p_next(prompt.tolist() + [a])
+        m2 += p1[a] * p2
+        for b in range(V):
+            m3 += p1[a] * p2[b] * p_next(prompt.tolist() + [a, b])
+    q = torch.tensor([0.4, 0.05, 0.05, 0.2, 0.1, 0.2])
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    N = 3000
+    c2, c3 = torch.zeros(V), torch.zeros(V)
+    for _ in range(N):
+        out, _ = dec.generate(prompt, FixedQ(q, with_probs), k=2, max_new_tokens=3, sampler=sampler)
+        c2[out[1]] += 1
+        c3[out[2]] += 1
+    for counts, m in ((c2, m2), (c3, m3)):
+        keep = m * N >= 5
+        exp = m[keep] * N
+        chi2 = float(((counts[keep] - exp) ** 2 / exp).sum())
+        assert chi2 < 25.0, (counts, exp)  # df <= 5; p ≈ 1e-4 critical value
+
+
+def test_bad_arguments(target):
+    with pytest.raises(UserError, match="temperature"):
+        Sampler(temperature=-0.5)
+    with pytest.raises(UserError, match="k="):
+        SpeculativeDecoder(target).generate(PROMPTS[0], NoDrafter(), k=-1)

@@ -1,0 +1,80 @@
+"""`python -m eval` end to end on a tiny target, and its bad inputs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, train_overrides
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target_dir, tiny_chats, tmp_path_factory):
+    """A tiny EAGLE-3 draft trained for a few steps (exported)."""
+    from hydra import compose, initialize_config_dir
+
+    from train.__main__ import run
+
+    run_dir = tmp_path_factory.mktemp("run")
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=train_overrides(tiny_target_dir, tiny_chats, run_dir, steps=2))
+    run(cfg)
+    return run_dir / "draft"
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    p = tmp_path_factory.mktemp("p") / "prompts.jsonl"
+    p.write_text('{"prompt": "Hello! How can I help you today?"}\n'
+                 '{"id": "two", "messages": [{"role": "user", "content": "Write a poem about the sea."}, '
+                 '{"role": "assistant", "content": "ignored"}, {"role": "user", "content": "Thanks a lot!"}]}\n')
+    return p
+
+
+def run_eval(*args):
+    return subprocess.run([sys.executable, "-m", "eval", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_eval_writes_table_json_and_plot(tiny_target_dir, trained, prompts, tmp_path):
+    out = tmp_path / "eval"
+    r = run_eval(f"target.name_or_path={tiny_target_dir}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
+                 f"eval_set.jsonl.path={prompts}", f"out_dir={out}", "max_new_tokens=12", "k=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "max_new_tokens=12" in r.stdout and "| set | T | drafter |" in r.stdout
+    res = json.loads((out / "results.json").read_text())
+    row = res["results"]["prompts"]
+    assert set(row) == {"T=0", "T=1"} and set(row["T=0"]) == {"plain", "ngram", "eagle3"}
+    # 3 generations (one prompt + a two-turn chat), every drafter identical to plain at T=0
+    assert row["T=0"]["eagle3"]["greedy_identical"] == "3/3" and row["T=0"]["ngram"]["greedy_identical"] == "3/3"
+    assert row["T=0"]["plain"]["tau"] == 1.0 and row["T=0"]["eagle3"]["tau"] >= 1.0
+    assert (out / "acceptance.png").stat().st_size > 1000 and (out / "results.md").exists()
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["eval_set=[jsonl]", "eval_set.jsonl.path=/nonexistent.jsonl"], "no such prompt file"),
+    (["temperatures=[-1]"], "temperature"),
+    (["k=0"], "k=0"),
+])
+def test_eval_bad_input(tiny_target_dir, trained, prompts, extra, expect, tmp_path):
+    base = [f"target.name_or_path={tiny_target_dir}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
+            f"eval_set.jsonl.path={prompts}", f"out_dir={tmp_path}"]
+    r = run_eval(*base, *extra)
+    assert r.returncode == 2, r.stderr[-2000:]
+    errs = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(errs) == 1 and expect in errs[0], r.stderr[-1000:]
+
+
+def test_malformed_prompt_file_and_foreign_draft(tiny_target_dir, trained, tmp_path):
+    from conftest import write_tiny_target
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{not json}\n')
+    r = run_eval(f"target.name_or_path={tiny_target_dir}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
+                 f"eval_set.jsonl.path={bad}", f"out_dir={tmp_path}/o")
+    assert r.returncode == 2 and f"{bad}:2: malformed JSON" in r.stderr
+    other = write_tiny_target(tmp_path / "other", layers=6)
+    r = run_eval(f"target.name_or_path={other}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
+                 f"eval_set.jsonl.path={bad}", f"out_dir={tmp_path}/o")
+    assert r.returncode == 2 and "draft was built for target" in r.stderr
