@@ -153,7 +153,9 @@ def prepare(cfg: DictConfig, run_dir: Path):
     if d.max_conversations:
         train_ds = train_ds.select(range(min(d.max_conversations, len(train_ds))))
         val_ds = val_ds.select(range(min(max(1, d.max_conversations // 10), len(val_ds))))
-    tok_dir = run_dir / "tokenizer"
+    tok_dir = Path(cfg.tokenizer.path) if cfg.tokenizer.get("path") else run_dir / "tokenizer"
+    if cfg.tokenizer.get("path") and not (tok_dir / "tokenizer.json").exists():
+        raise UserError(f"tokenizer.path={tok_dir}: no tokenizer.json there")
     if not (tok_dir / "tokenizer.json").exists():
         tok = train_tokenizer(conversation_texts(train_ds), cfg.tokenizer.vocab_size, cfg.tokenizer.max_chars)
         with atomic_dir(tok_dir) as tmp:
