@@ -147,3 +147,13 @@ def test_bad_input_one_line(tiny_target_dir, tiny_chats, tmp_path, extra, expect
 def test_unknown_config_key_is_refused(tiny_target_dir, tiny_chats, tmp_path):
     r = run_cli(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run") + ["draft.no_such_key=1"])
     assert r.returncode != 0 and "no_such_key" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_training_benchmark_writes_json(tiny_target_dir, tiny_chats, tmp_path):
+    from eval.bench_train import bench
+
+    over = train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run") + ["+bench.steps=1", "+bench.warmup=0", "+bench.precisions=[32]"]
+    r = bench(compose_train(over))
+    p = r["precisions"]["32"]
+    assert r["cache_bytes_per_token"] > 0 and p["online_tokens_per_s"] > 0 and p["offline_tokens_per_s"] > 0
+    assert p["head_step_over_target_forward"] > 0 and r["trainable_params"] > 0

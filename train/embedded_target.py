@@ -28,6 +28,7 @@ from data.chat import tokenize_conversation
 from data.conversations import load_conversations
 from data.errors import UserError, atomic_dir, cli
 from data.tokenizer import conversation_texts, train_tokenizer
+from train.build import resolve_ckpt
 from train.schedule import warmup_cosine
 
 PACK_DTYPE = np.uint16  # vocabularies up to 65,536
@@ -213,14 +214,7 @@ def run(cfg: DictConfig) -> dict:
                  L.pytorch.callbacks.LearningRateMonitor("step")]
     trainer = L.Trainer(**cfg.trainer, callbacks=callbacks, default_root_dir=str(run_dir),
                         logger=L.pytorch.loggers.CSVLogger(str(run_dir), name="logs"))
-    ckpt_path = cfg.ckpt_path
-    if ckpt_path == "last":
-        ckpt_path = str(ckpt_dir / "last.ckpt")
-        if not os.path.exists(ckpt_path):
-            print(f"no checkpoint at {ckpt_path}; starting from scratch")
-            ckpt_path = None
-    elif ckpt_path and not os.path.exists(ckpt_path):
-        raise UserError(f"ckpt_path={ckpt_path}: no such checkpoint")
+    ckpt_path = resolve_ckpt(cfg.ckpt_path, ckpt_dir)
     t0 = time.time()
     prev_time = 0.0
     if ckpt_path:
