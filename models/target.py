@@ -152,3 +152,15 @@ class FrozenTarget(nn.Module):
         last = out.last_hidden_state  # [B, T, d], after the final norm
         logits = self.model.lm_head(last) if return_logits else None
         return TargetOutput(tap_states=taps, last_state=last, logits=logits)
+
+
+def random_target(name_or_path: str = "random-llama", dtype: str = "bfloat16", tap_layers: Sequence[int] | None = None,
+                  **config: Any) -> FrozenTarget:
+    """A random-weight Llama of the given shape (``LlamaConfig`` keys), for benchmarks that need no weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    target = FrozenTarget(model=model, tap_layers=tap_layers, dtype=dtype)
+    target.name_or_path = name_or_path
+    return target

@@ -10,6 +10,7 @@ from conftest import ROOT
 
 CONF = ROOT / "conf"
 PRIMARY = sorted(p.stem for p in CONF.glob("*.yaml"))
+
 # group folder -> primary config that uses it
 GROUP_HOME = {"target": "train", "data": "train", "draft": "train", "features": "train", "trainer": "train", "logger": "train",
               "callbacks": "train", "experiment": "train", "experiment_target": "embedded_target", "eval_set": "eval"}

@@ -203,3 +203,21 @@ def test_bad_arguments(target):
         Sampler(temperature=-0.5)
     with pytest.raises(UserError, match="k="):
         SpeculativeDecoder(target).generate(PROMPTS[0], NoDrafter(), k=-1)
+
+
+def test_planner_math_and_tile_rule():
+    from eval.planner import plan
+
+    costs = [1.0, 1.1, 1.2, 1.5, 2.0]
+    out = plan(costs, group=32, acceptance=[0.8, 0.5, 0.5, 0.5])
+    assert out["tile_rule_max_d"] == 3 and out["verify_cost_ratio"][4] == 2.0
+    assert out["predicted_tau"][:3] == [1.0, 1.8, 2.2]
+    assert out["recommended_d"] <= 3 and out["bound_at_recommended_d"] == max(out["free_draft_speedup_bound"][:4])
+    assert plan(costs, group=4, acceptance=None)["tile_rule_max_d"] == 31
+
+
+def test_planner_measures_a_tiny_target():
+    from eval.planner import verify_costs
+
+    costs = verify_costs(tiny_model("llama"), max_d=3, context=8, reps=1, device="cpu")
+    assert len(costs) == 4 and all(c > 0 for c in costs)
