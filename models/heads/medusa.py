@@ -1,0 +1,102 @@
+"""Medusa heads (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+Heads", arXiv 2401.10774): K parallel heads on the target's last hidden state.
+
+Head k (0-based) is ``W2_k(h + SiLU(W1_k h))`` and predicts token t+2+k from the last hidden state h_t
+(the target's own head predicts t+1). ``W2_k`` starts as a copy of the target's ``lm_head``, ``W1_k`` at zero,
+so an untrained head k repeats the target's next-token guess. Loss ``Σ_k step_decay**k · CE`` on the data
+tokens (``soft=true``: against the target's distribution at t+1+k instead). Proposals chain each head's
+top-1 (or a sample at T>0); trees come later. Heads do not see the pending token, as in Medusa-1.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data.errors import UserError
+from models.heads.base import DraftHead, HeadOutput
+from models.heads.eagle3 import shift_left
+from models.layers import soft_cross_entropy
+
+
+class ResBlock(nn.Module):
+    """h + SiLU(W1 h), W1 zero-initialised (Medusa)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.silu(self.linear(h))
+
+
+class MedusaHead(DraftHead):
+    family = "medusa"
+    needs_teacher_logits = True  # accuracy is measured against the target's own top-1
+
+    def __init__(self, target: Any, num_heads: int = 4, num_layers: int = 1, step_decay: float = 0.8, soft: bool = False):
+        super().__init__(target, num_heads=num_heads, num_layers=num_layers, step_decay=step_decay, soft=soft)
+        if num_heads < 1 or num_layers < 1:
+            raise UserError(f"draft.num_heads={num_heads}, draft.num_layers={num_layers}: both must be >= 1")
+        d, V = target.config.hidden_size, target.config.vocab_size
+        w = target.lm_head().weight.data.float()
+        self.blocks = nn.ModuleList([nn.Sequential(*[ResBlock(d) for _ in range(num_layers)]) for _ in range(num_heads)])
+        self.heads = nn.ModuleList([nn.Linear(d, V, bias=False) for _ in range(num_heads)])
+        for h in self.heads:
+            h.weight.data.copy_(w)
+        self.step_decay, self.soft = step_decay, soft
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.heads)
+
+    def logits(self, h: torch.Tensor) -> list[torch.Tensor]:
+        """h [..., d] → one [..., V] per head."""
+        h = h.to(self.heads[0].weight.dtype)
+        return [head(block(h)) for block, head in zip(self.blocks, self.heads)]
+
+    def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
+        valid = batch.get("attention_mask", torch.ones_like(ids))
+        t_top = feats.logits.argmax(-1)  # [B, T]
+        K = self.num_steps
+        loss = feats.last_state.new_zeros(())
+        correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
+        for k, logits in enumerate(self.logits(feats.last_state)):  # [B, T, V]
+            w = (shift_left(loss_mask, 2 + k) * shift_left(valid, 2 + k)).float()  # position t learns token t+2+k
+            if self.soft:
+                p = torch.softmax(shift_left(feats.logits, 1 + k).float(), -1)
+                lk = soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
+            else:
+                ce = F.cross_entropy(logits.flatten(0, 1).float(), shift_left(ids, 2 + k).flatten(), reduction="none")
+                lk = (ce * w.flatten()).sum() / w.sum().clamp_min(1.0)
+            loss = loss + self.step_decay ** k * lk
+            with torch.no_grad():
+                hit = (logits.argmax(-1) == shift_left(t_top, 1 + k)).float() * (w > 0)
+                correct[k], total[k] = hit.sum(), (w > 0).sum()
+        return HeadOutput(loss=loss, correct=correct, total=total)
+
+    # -- inference ------------------------------------------------------------------------------
+    def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
+        self._h = feats.last_state[0, -1]  # [d] the state that predicted the pending token
+
+    def commit(self, tokens: torch.Tensor, feats: Any) -> None:
+        self._h = feats.last_state[0, -1]
+
+    @torch.no_grad()
+    def propose(self, pending: int, k: int, sampler: Any):
+        from eval.decoder import Proposal
+
+        tokens, probs = [], []
+        for logits in self.logits(self._h)[:k]:
+            if sampler.greedy:
+                tokens.append(int(logits.argmax()))
+            else:
+                q = sampler.probs(logits)
+                tokens.append(sampler.sample(q))
+                probs.append(q)
+        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
