@@ -34,8 +34,9 @@ def batch(B=2, T=24, V=128):
     mask = torch.zeros(B, T, dtype=torch.long)
     mask[:, 8:] = 1
     att = torch.ones(B, T, dtype=torch.long)
-    att[1, 20:] = 0
-    mask[1, 20:] = 0
+    if B > 1:  # the second row is padded from T-4 on
+        att[1, T - 4:] = 0
+        mask[1, T - 4:] = 0
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": att}
 
 

@@ -1,0 +1,29 @@
+"""Medusa specifics: initialisation from the target head, label offsets."""
+from __future__ import annotations
+
+import torch
+
+from conftest import ROOT
+from test_heads import batch, make_head
+
+CFG = ROOT / "conf" / "draft" / "medusa.yaml"
+
+
+def test_untrained_heads_repeat_the_target_head():
+    target, head = make_head(CFG, num_heads=3)
+    h = torch.randn(5, target.hidden_size)
+    for logits in head.logits(h):
+        assert torch.allclose(logits, target.lm_head()(h), atol=1e-5)
+
+
+def test_head_k_learns_token_t_plus_2_plus_k():
+    target, head = make_head(CFG, num_heads=2)
+    b = batch(B=1, T=12)
+    b["loss_mask"].zero_()
+    b["loss_mask"][0, 9] = 1  # only token 9 counts
+    feats = target(b["input_ids"], return_logits=True)
+    out = head.training_loss(b, feats)
+    assert out.total.tolist() == [1, 1]  # head 0 scores position 7, head 1 position 6
+    # moving the only scored token changes which positions feed the loss: the loss follows position 7 for head 0
+    feats.last_state[0, 7] += 100.0
+    assert head.training_loss(b, feats).loss != out.loss
