@@ -83,7 +83,9 @@ def tiny_model(arch: str, **kw):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(arch, **kw)).eval()
+    cfg = tiny_config(arch, **kw)
+    cfg.mask_token_id = cfg.vocab_size - 1  # a reserved MASK id, as the embedded target has (block-diffusion drafters)
+    return AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def write_tiny_target(path: Path, arch: str = "llama", layers: int = 4) -> Path:

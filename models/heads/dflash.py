@@ -1,0 +1,207 @@
+"""DFlash block-diffusion drafter (Chen, Liang, Liu, "DFlash", arXiv 2602.06036): one forward drafts a block.
+
+- Context: ``RMSNorm(fc([tap states]))`` of every committed token (taps spread over the target's depth).
+- Draft: ``num_layers`` target-shaped decoder layers over the block ``[anchor, MASK×(B−1)]`` at positions
+  anchor..anchor+B−1, reusing the target's frozen embedding and ``lm_head`` (with a trainable final norm).
+  In every layer the queries come from the block only, and keys/values are
+  ``[k_proj(context); k_proj(block)]`` with the same projections (target features injected into K/V);
+  inside the block attention is bidirectional.
+- Training: per sequence up to ``num_anchors`` random anchors a with ``loss_mask[a]`` and ``loss_mask[a+1]``
+  set, packed into one pass; a block sees context rows strictly before its anchor and its own block,
+  never another block (:func:`block_mask`). Slot k (1..B−1) is labelled with token a+k, the anchor slot is
+  not trained; CE weighted ``exp(−(k−1)/γ)``.
+- Decoding: the context K/V of committed tokens is cached per layer and extended after each round; one
+  forward per round proposes up to B−1 tokens (the decoder then verifies them like any draft).
+Train with the larger block: shrinking B at inference is safe, growing it is not.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data.errors import UserError
+from models.heads.base import DraftHead, HeadOutput
+from models.layers import MLP, Attention, RMSNorm, Rotary, apply_rotary
+
+
+class DFlashLayer(nn.Module):
+    """A target-shaped decoder layer whose attention also reads the (already normalised) context rows."""
+
+    def __init__(self, d: int, n_heads: int, n_kv: int, head_dim: int, d_ff: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = Attention(d, n_heads, n_kv, head_dim)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = MLP(d, d_ff)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [B, Tc, d] → k, v [B, H, Tc, hd] (the block's own k/v projections, rotary at context positions)."""
+        _, k, v = self.self_attn.qkv(ctx, cos, sin)
+        return k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, Tb, d] block hidden; ctx_k/v [B, H, Tc, hd]; mask [B, 1, Tb, Tc+Tb] or None (see all)."""
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        o = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), attn_mask=mask)
+        x = x + self.self_attn.out(o)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def block_mask(anchors: torch.Tensor, anchor_ok: torch.Tensor, T: int, block: int) -> torch.Tensor:
+    """Attention mask of packed blocks. anchors, anchor_ok [B, N] → bool [B, 1, N·blk, T + N·blk].
+
+    Block n sees context rows j < anchors[n] and every slot of its own block, nothing else (a padded
+    anchor sees only its own block, so no row is empty)."""
+    Bt, N = anchors.shape
+    j = torch.arange(T, device=anchors.device)
+    ctx = (j[None, None, :] < anchors[:, :, None]) & anchor_ok[:, :, None].bool()  # [B, N, T]
+    ctx = ctx[:, :, None, :].expand(Bt, N, block, T).reshape(Bt, N * block, T)
+    blk_id = torch.arange(N * block, device=anchors.device) // block
+    own = (blk_id[:, None] == blk_id[None, :]).expand(Bt, -1, -1)  # [B, N·blk, N·blk]
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def block_targets(ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor,
+                  ok: torch.Tensor, blk: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slot positions, labels and loss weights of packed blocks, each [B, N, blk].
+
+    Slot k of the block anchored at a sits at position a+k and is labelled with token a+k; the anchor
+    slot (k=0) has weight 0; slot k≥1 weighs ``exp(−(k−1)/γ)`` where token a+k is real and in the loss mask."""
+    Bt, T = ids.shape
+    N = anchors.shape[1]
+    k = torch.arange(blk, device=ids.device)
+    pos = anchors[:, :, None] + k  # [B, N, blk]
+    posc = pos.clamp(max=T - 1).flatten(1)
+    labels = ids.gather(1, posc).view(Bt, N, blk)
+    w = (loss_mask.gather(1, posc) * valid.gather(1, posc)).view(Bt, N, blk).float()
+    w = w * (pos < T) * ok[:, :, None] * (k >= 1) * torch.exp(-(k.float() - 1) / gamma)
+    return pos, labels, w
+
+
+class DFlashHead(DraftHead):
+    family = "dflash"
+    tap_method = "dflash"
+    needs_teacher_logits = True  # accuracy against the target's own top-1
+
+    def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 64,
+                 gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6):
+        super().__init__(target, block_size=block_size, num_layers=num_layers, num_anchors=num_anchors, gamma=gamma,
+                         mask_token_id=mask_token_id, rms_eps=rms_eps)
+        tc = target.config
+        if block_size < 2:
+            raise UserError(f"draft.block_size={block_size}: must be >= 2 (the anchor and at least one drafted token)")
+        mask_id = mask_token_id if mask_token_id is not None else getattr(tc, "mask_token_id", None)
+        if mask_id is None or not 0 <= int(mask_id) < tc.vocab_size:
+            raise UserError(f"draft.mask_token_id={mask_id}: give the id of a token reserved as MASK "
+                            f"(the embedded target has <|mask|>; for other targets pick an unused special token)")
+        d = tc.hidden_size
+        n_heads = tc.num_attention_heads
+        n_kv = getattr(tc, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(tc, "head_dim", None) or d // n_heads
+        self.block_size, self.num_anchors, self.mask_token_id = block_size, num_anchors, int(mask_id)
+        self.gamma = gamma if gamma is not None else {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2)
+        n_taps = len(target.tap_layers)
+        self.fc = nn.Linear(n_taps * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, rms_eps)
+        self.layers = nn.ModuleList([DFlashLayer(d, n_heads, n_kv, head_dim, tc.intermediate_size, rms_eps)
+                                     for _ in range(num_layers)])
+        self.norm = RMSNorm(d, rms_eps)
+        self.rotary = Rotary(head_dim, getattr(tc, "rope_theta", None) or 10000.0)
+        self.embed_tokens = nn.Embedding(tc.vocab_size, d)
+        self.embed_tokens.weight.data.copy_(target.embed_tokens().weight.data.float())
+        self.lm_head = nn.Linear(d, tc.vocab_size, bias=False)
+        self.lm_head.weight.data.copy_(target.lm_head().weight.data.float())
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+
+    @property
+    def num_steps(self) -> int:
+        return self.block_size - 1
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [B, T, n, d_t] → context rows [B, T, d]."""
+        return self.hidden_norm(self.fc(taps.flatten(-2).to(self.fc.weight.dtype)))
+
+    def run_block(self, block_ids: torch.Tensor, block_pos: torch.Tensor, ctx_kv: list, mask: torch.Tensor | None) -> torch.Tensor:
+        """block_ids, block_pos [B, Tb]; ctx_kv: per layer (k, v) → final hidden [B, Tb, d]."""
+        x = self.embed_tokens(block_ids)
+        cos, sin = self.rotary(block_pos)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, ck, cv, mask)
+        return self.norm(x)
+
+    def sample_anchors(self, loss_mask: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to ``num_anchors`` random anchors per row where a and a+1 are both in the loss mask → [B, N] ids, ok."""
+        ok = (loss_mask.bool() & valid.bool())
+        cand = ok & torch.cat([ok[:, 1:], torch.zeros_like(ok[:, :1])], 1)  # [B, T]
+        score = torch.rand(cand.shape, device=cand.device).masked_fill(~cand, -1.0)
+        N = min(self.num_anchors, cand.shape[1])
+        top, idx = score.topk(N, dim=1)
+        return idx, top >= 0
+
+    def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
+        valid = batch.get("attention_mask", torch.ones_like(ids))
+        Bt, T = ids.shape
+        blk = self.block_size
+        anchors, ok = self.sample_anchors(loss_mask, valid)  # [B, N]
+        N = anchors.shape[1]
+        pos, labels, w = block_targets(ids, loss_mask, valid, anchors, ok, blk, self.gamma)  # [B, N, blk] each
+        posc = pos.clamp(max=T - 1)
+        block_ids = torch.full_like(pos, self.mask_token_id)
+        block_ids[:, :, 0] = ids.gather(1, anchors)
+        ctx = self.context(feats.tap_states)  # [B, T, d]
+        ctx_pos = torch.arange(T, device=ids.device).expand(Bt, T)
+        cos, sin = self.rotary(ctx_pos)
+        ctx_kv = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+        mask = block_mask(anchors, ok, T, blk)
+        h = self.run_block(block_ids.flatten(1), pos.flatten(1), ctx_kv, mask)  # [B, N·blk, d]
+        logits = self.lm_head(h).view(Bt, N, blk, -1)  # [B, N, blk, V]
+        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view(Bt, N, blk)
+        loss = (ce * w).sum() / (w > 0).float().sum().clamp_min(1.0)
+        with torch.no_grad():
+            t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position
+            want = t_top.gather(1, (posc - 1).clamp(min=0).flatten(1)).view(Bt, N, blk)
+            scored = (w > 0)[:, :, 1:]
+            hit = (logits.argmax(-1) == want)[:, :, 1:] & scored
+            correct, total = hit.sum((0, 1)).float(), scored.sum((0, 1)).float()
+        return HeadOutput(loss=loss, correct=correct, total=total)
+
+    # -- inference ------------------------------------------------------------------------------
+    def _extend(self, taps: torch.Tensor) -> None:
+        ctx = self.context(taps)  # [1, m, d]
+        m = ctx.shape[1]
+        pos = torch.arange(self._n, self._n + m, device=ctx.device)[None]
+        cos, sin = self.rotary(pos)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(ctx, cos, sin)
+            ck, cv = self._kv[i]
+            self._kv[i] = (k, v) if ck is None else (torch.cat([ck, k], 2), torch.cat([cv, v], 2))
+        self._n += m
+
+    def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
+        self._kv, self._n = [(None, None)] * len(self.layers), 0
+        self._extend(feats.tap_states)
+
+    def commit(self, tokens: torch.Tensor, feats: Any) -> None:
+        self._extend(feats.tap_states)
+
+    @torch.no_grad()
+    def propose(self, pending: int, k: int, sampler: Any):
+        from eval.decoder import Proposal
+
+        k = min(k, self.block_size - 1)
+        dev = self.fc.weight.device
+        block = torch.full((1, k + 1), self.mask_token_id, device=dev)
+        block[0, 0] = pending
+        pos = torch.arange(self._n, self._n + k + 1, device=dev)[None]
+        logits = self.lm_head(self.run_block(block, pos, self._kv, None))[0, 1:]  # [k, V]
+        if sampler.greedy:
+            return Proposal(logits.argmax(-1))
+        q = sampler.probs(logits)
+        return Proposal(torch.multinomial(q, 1, generator=sampler.generator).view(-1), q)
