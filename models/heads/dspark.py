@@ -1,0 +1,123 @@
+"""DSpark (DeepSeek-AI + PKU, arXiv 2607.05147): DFlash plus a light sequential Markov head and a confidence head.
+
+- Backbone: :class:`models.heads.dflash.DFlashHead`, but every slot predicts, the anchor slot too: slot k
+  (0..B−1, at position a+k) gives logits ``U_k`` for token a+1+k (B predictions per block).
+- Markov head: ``p_k(v) = softmax(U_k(v) + B(x_{k−1}, v))`` with ``B = W2(W1[x_{k−1}])``, ``W1 = Embedding(V, r)``,
+  ``W2 = Linear(r, V)`` (zero-initialised, so it starts as plain DFlash); x_{k−1} is the token at the
+  slot's own position (the anchor for k=0): teacher-forced in training, drafted left to right at inference.
+- Confidence head: ``c_k = σ(wᵀ[h_k; W1[x_{k−1}]])`` trained towards ``1 − ½‖p_draft − p_target‖₁`` (the
+  probability that a sampled draft token is accepted); the decoder cuts a block where the running product
+  of confidences falls below ``confidence_threshold`` (output stays lossless: it only proposes fewer).
+- Loss ``0.1·CE + 0.9·TV + 1.0·conf`` per slot, weighted ``exp(−k/γ)``; TV and the confidence target need
+  the target's distribution (from its last hidden state through its head).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.heads.base import HeadOutput
+from models.heads.dflash import DFlashHead, block_mask
+
+
+class DSparkHead(DFlashHead):
+    family = "dspark"
+
+    def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 32,
+                 gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,
+                 markov_rank: int = 256, confidence_threshold: float = 0.0,
+                 loss_weights: tuple[float, float, float] = (0.1, 0.9, 1.0)):
+        super().__init__(target, block_size, num_layers, num_anchors, gamma, mask_token_id, rms_eps)
+        self.init_args.update(markov_rank=markov_rank, confidence_threshold=confidence_threshold,
+                              loss_weights=list(loss_weights))
+        d, V = target.config.hidden_size, target.config.vocab_size
+        r = min(markov_rank, V)
+        self.markov_in = nn.Embedding(V, r)          # W1
+        self.markov_out = nn.Linear(r, V, bias=False)  # W2
+        nn.init.zeros_(self.markov_out.weight)
+        self.confidence = nn.Linear(d + r, 1)
+        self.confidence_threshold = confidence_threshold
+        self.loss_weights = tuple(loss_weights)
+
+    @property
+    def num_steps(self) -> int:
+        return self.block_size
+
+    def slot_outputs(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [..., d] slot states, prev [...] previous tokens → (logits [..., V], confidence logit [...])."""
+        m = self.markov_in(prev)  # [..., r]
+        logits = self.lm_head(h) + self.markov_out(m)
+        conf = self.confidence(torch.cat([h, m.to(h.dtype)], -1)).squeeze(-1)
+        return logits, conf
+
+    def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
+        valid = batch.get("attention_mask", torch.ones_like(ids))
+        Bt, T = ids.shape
+        blk = self.block_size
+        anchors, ok = self.sample_anchors(loss_mask, valid)  # [B, N]
+        N = anchors.shape[1]
+        k = torch.arange(blk, device=ids.device)
+        pos = anchors[:, :, None] + k  # [B, N, blk] slot positions; slot k predicts token pos+1
+        tgt = (pos + 1).clamp(max=T - 1).flatten(1)
+        posc = pos.clamp(max=T - 1).flatten(1)
+        labels = ids.gather(1, tgt).view(Bt, N, blk)
+        w = (loss_mask.gather(1, tgt) * valid.gather(1, tgt)).view(Bt, N, blk).float()
+        w = w * (pos + 1 < T) * ok[:, :, None] * torch.exp(-k.float() / self.gamma)
+        prev = ids.gather(1, posc).view(Bt, N, blk)  # x_{k-1}: the anchor, then the teacher-forced tokens
+        block_ids = torch.full_like(pos, self.mask_token_id)
+        block_ids[:, :, 0] = prev[:, :, 0]
+        ctx = self.context(feats.tap_states)
+        cos, sin = self.rotary(torch.arange(T, device=ids.device).expand(Bt, T))
+        ctx_kv = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+        h = self.run_block(block_ids.flatten(1), pos.flatten(1), ctx_kv, block_mask(anchors, ok, T, blk)).view(Bt, N, blk, -1)
+        logits, conf = self.slot_outputs(h, prev)  # [B, N, blk, V], [B, N, blk]
+        p_t = torch.softmax(feats.logits.float().gather(1, posc[..., None].expand(-1, -1, feats.logits.shape[-1])), -1)
+        p_t = p_t.view(Bt, N, blk, -1)  # the target's distribution of token pos+1
+        p_d = torch.softmax(logits.float(), -1)
+        tv = 0.5 * (p_d - p_t).abs().sum(-1)  # [B, N, blk]
+        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view(Bt, N, blk)
+        conf_loss = F.binary_cross_entropy_with_logits(conf.float(), (1 - tv).detach().clamp(0, 1), reduction="none")
+        a, b, c = self.loss_weights
+        per = a * ce + b * tv + c * conf_loss
+        n = (w > 0).float().sum().clamp_min(1.0)
+        loss = (per * w).sum() / n
+        with torch.no_grad():
+            scored = w > 0
+            hit = (logits.argmax(-1) == p_t.argmax(-1)) & scored
+            correct, total = hit.sum((0, 1)).float(), scored.sum((0, 1)).float()
+            metrics = {"tv": (tv * scored).sum() / n, "confidence": (torch.sigmoid(conf) * scored).sum() / n}
+        return HeadOutput(loss=loss, correct=correct, total=total, metrics=metrics)
+
+    @torch.no_grad()
+    def propose(self, pending: int, k: int, sampler: Any):
+        from eval.decoder import Proposal
+
+        k = min(k, self.block_size)
+        dev = self.fc.weight.device
+        block = torch.full((1, k), self.mask_token_id, device=dev)
+        block[0, 0] = pending
+        pos = torch.arange(self._n, self._n + k, device=dev)[None]
+        h = self.run_block(block, pos, self._kv, None)[0]  # [k, d]
+        base = self.lm_head(h)  # [k, V]
+        prev, run = pending, 1.0
+        tokens, probs = [], []
+        for j in range(k):
+            m = self.markov_in.weight[prev]
+            logits = base[j] + self.markov_out(m)
+            if sampler.greedy:
+                t, q = int(logits.argmax()), None
+            else:
+                q = sampler.probs(logits)
+                t = sampler.sample(q)
+            if self.confidence_threshold > 0:
+                run *= float(torch.sigmoid(self.confidence(torch.cat([h[j], m.to(h.dtype)]))))
+                if j > 0 and run < self.confidence_threshold:
+                    break  # cut the block: this and later tokens are unlikely to be accepted
+            tokens.append(t)
+            probs.append(q)
+            prev = t
+        return Proposal(torch.tensor(tokens, dtype=torch.long), None if sampler.greedy else torch.stack(probs))
