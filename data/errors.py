@@ -65,3 +65,14 @@ def atomic_file(final: str | Path, mode: str = "w") -> Iterator:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def write_json(path: str | Path, obj, echo: bool = False) -> None:
+    """Write ``obj`` as indented JSON atomically; with ``echo`` also print it and where it went."""
+    import json
+
+    with atomic_file(path) as f:
+        json.dump(obj, f, indent=2)
+    if echo:
+        print(json.dumps(obj, indent=2))
+        print(f"wrote {path}")

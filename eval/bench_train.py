@@ -11,7 +11,6 @@ head step). Writes ``bench_train.json`` into the run directory and prints it.
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import atomic_file, cli
+from data.errors import cli, write_json
 
 
 def autocast(precision: str):
@@ -116,11 +115,7 @@ def bench(cfg: DictConfig) -> dict:
 @cli
 def main(cfg: DictConfig) -> None:
     result = bench(cfg)
-    out = Path(cfg.run_dir) / "bench_train.json"
-    with atomic_file(out) as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(Path(cfg.run_dir) / "bench_train.json", result, echo=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_file, cli
+from data.errors import UserError, cli, write_json
 
 
 def sync(device: str) -> None:
@@ -111,11 +111,7 @@ def main(cfg: DictConfig) -> None:
               "context": cfg.context, "t1_ms": round(costs[0] * 1e3, 3), **plan(costs, group, acc)}
     if row:
         result.update({"drafter": cfg.drafter, "measured_tau": row.get("tau"), "realised_speedup": row.get("speedup")})
-    out = Path(cfg.out_dir) / "planner.json"
-    with atomic_file(out) as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(Path(cfg.out_dir) / "planner.json", result, echo=True)
 
 
 if __name__ == "__main__":

@@ -67,19 +67,21 @@ def block_mask(anchors: torch.Tensor, anchor_ok: torch.Tensor, T: int, block: in
 
 
 def block_targets(ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor,
-                  ok: torch.Tensor, blk: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ok: torch.Tensor, blk: int, gamma: float, shift: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slot positions, labels and loss weights of packed blocks, each [B, N, blk].
 
-    Slot k of the block anchored at a sits at position a+k and is labelled with token a+k; the anchor
-    slot (k=0) has weight 0; slot k≥1 weighs ``exp(−(k−1)/γ)`` where token a+k is real and in the loss mask."""
+    Slot k of the block anchored at a sits at position a+k and is labelled with token a+k+shift. DFlash
+    (shift 0): the anchor slot is not trained and slot k≥1 weighs ``exp(−(k−1)/γ)``; DSpark (shift 1):
+    every slot predicts the next token, weighing ``exp(−k/γ)``. Only real tokens in the loss mask count."""
     Bt, T = ids.shape
     N = anchors.shape[1]
     k = torch.arange(blk, device=ids.device)
     pos = anchors[:, :, None] + k  # [B, N, blk]
-    posc = pos.clamp(max=T - 1).flatten(1)
-    labels = ids.gather(1, posc).view(Bt, N, blk)
-    w = (loss_mask.gather(1, posc) * valid.gather(1, posc)).view(Bt, N, blk).float()
-    w = w * (pos < T) * ok[:, :, None] * (k >= 1) * torch.exp(-(k.float() - 1) / gamma)
+    tgt = (pos + shift).clamp(max=T - 1).flatten(1)
+    labels = ids.gather(1, tgt).view(Bt, N, blk)
+    w = (loss_mask.gather(1, tgt) * valid.gather(1, tgt)).view(Bt, N, blk).float()
+    step = (k + shift).float()
+    w = w * (pos + shift < T) * ok[:, :, None] * (step >= 1) * torch.exp(-(step - 1) / gamma)
     return pos, labels, w
 
 
@@ -144,29 +146,31 @@ class DFlashHead(DraftHead):
         top, idx = score.topk(N, dim=1)
         return idx, top >= 0
 
+    def block_hidden(self, ids: torch.Tensor, anchors: torch.Tensor, ok: torch.Tensor, tap_states: torch.Tensor) -> torch.Tensor:
+        """Final hidden state [B, N, blk, d] of the packed blocks ``[ids[a], MASK, ...]`` at positions a..a+blk−1."""
+        Bt, T = ids.shape
+        N, blk = anchors.shape[1], self.block_size
+        pos = anchors[:, :, None] + torch.arange(blk, device=ids.device)  # [B, N, blk]
+        block_ids = torch.full_like(pos, self.mask_token_id)
+        block_ids[:, :, 0] = ids.gather(1, anchors)
+        ctx = self.context(tap_states)  # [B, T, d]
+        cos, sin = self.rotary(torch.arange(T, device=ids.device).expand(Bt, T))
+        ctx_kv = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+        h = self.run_block(block_ids.flatten(1), pos.flatten(1), ctx_kv, block_mask(anchors, ok, T, blk))
+        return h.view(Bt, N, blk, -1)
+
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
-        Bt, T = ids.shape
-        blk = self.block_size
+        T = ids.shape[1]
         anchors, ok = self.sample_anchors(loss_mask, valid)  # [B, N]
-        N = anchors.shape[1]
-        pos, labels, w = block_targets(ids, loss_mask, valid, anchors, ok, blk, self.gamma)  # [B, N, blk] each
-        posc = pos.clamp(max=T - 1)
-        block_ids = torch.full_like(pos, self.mask_token_id)
-        block_ids[:, :, 0] = ids.gather(1, anchors)
-        ctx = self.context(feats.tap_states)  # [B, T, d]
-        ctx_pos = torch.arange(T, device=ids.device).expand(Bt, T)
-        cos, sin = self.rotary(ctx_pos)
-        ctx_kv = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
-        mask = block_mask(anchors, ok, T, blk)
-        h = self.run_block(block_ids.flatten(1), pos.flatten(1), ctx_kv, mask)  # [B, N·blk, d]
-        logits = self.lm_head(h).view(Bt, N, blk, -1)  # [B, N, blk, V]
-        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view(Bt, N, blk)
+        pos, labels, w = block_targets(ids, loss_mask, valid, anchors, ok, self.block_size, self.gamma)  # [B, N, blk]
+        logits = self.lm_head(self.block_hidden(ids, anchors, ok, feats.tap_states))  # [B, N, blk, V]
+        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(w)
         loss = (ce * w).sum() / (w > 0).float().sum().clamp_min(1.0)
         with torch.no_grad():
             t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position
-            want = t_top.gather(1, (posc - 1).clamp(min=0).flatten(1)).view(Bt, N, blk)
+            want = t_top.gather(1, (pos.clamp(max=T - 1) - 1).clamp(min=0).flatten(1)).view_as(labels)
             scored = (w > 0)[:, :, 1:]
             hit = (logits.argmax(-1) == want)[:, :, 1:] & scored
             correct, total = hit.sum((0, 1)).float(), scored.sum((0, 1)).float()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.heads.base import HeadOutput
-from models.heads.dflash import DFlashHead, block_mask
+from models.heads.dflash import DFlashHead, block_targets
 
 
 class DSparkHead(DFlashHead):
@@ -56,30 +56,18 @@ class DSparkHead(DFlashHead):
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
-        Bt, T = ids.shape
-        blk = self.block_size
+        T = ids.shape[1]
         anchors, ok = self.sample_anchors(loss_mask, valid)  # [B, N]
-        N = anchors.shape[1]
-        k = torch.arange(blk, device=ids.device)
-        pos = anchors[:, :, None] + k  # [B, N, blk] slot positions; slot k predicts token pos+1
-        tgt = (pos + 1).clamp(max=T - 1).flatten(1)
-        posc = pos.clamp(max=T - 1).flatten(1)
-        labels = ids.gather(1, tgt).view(Bt, N, blk)
-        w = (loss_mask.gather(1, tgt) * valid.gather(1, tgt)).view(Bt, N, blk).float()
-        w = w * (pos + 1 < T) * ok[:, :, None] * torch.exp(-k.float() / self.gamma)
-        prev = ids.gather(1, posc).view(Bt, N, blk)  # x_{k-1}: the anchor, then the teacher-forced tokens
-        block_ids = torch.full_like(pos, self.mask_token_id)
-        block_ids[:, :, 0] = prev[:, :, 0]
-        ctx = self.context(feats.tap_states)
-        cos, sin = self.rotary(torch.arange(T, device=ids.device).expand(Bt, T))
-        ctx_kv = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
-        h = self.run_block(block_ids.flatten(1), pos.flatten(1), ctx_kv, block_mask(anchors, ok, T, blk)).view(Bt, N, blk, -1)
+        pos, labels, w = block_targets(ids, loss_mask, valid, anchors, ok, self.block_size, self.gamma, shift=1)
+        posc = pos.clamp(max=T - 1).flatten(1)  # slot k (position a+k) predicts token a+k+1
+        prev = ids.gather(1, posc).view_as(labels)  # x_{k-1}: the anchor, then the teacher-forced tokens
+        h = self.block_hidden(ids, anchors, ok, feats.tap_states)  # [B, N, blk, d]
         logits, conf = self.slot_outputs(h, prev)  # [B, N, blk, V], [B, N, blk]
         p_t = torch.softmax(feats.logits.float().gather(1, posc[..., None].expand(-1, -1, feats.logits.shape[-1])), -1)
-        p_t = p_t.view(Bt, N, blk, -1)  # the target's distribution of token pos+1
+        p_t = p_t.view_as(logits)  # the target's distribution of token pos+1
         p_d = torch.softmax(logits.float(), -1)
         tv = 0.5 * (p_d - p_t).abs().sum(-1)  # [B, N, blk]
-        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view(Bt, N, blk)
+        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(w)
         conf_loss = F.binary_cross_entropy_with_logits(conf.float(), (1 - tv).detach().clamp(0, 1), reduction="none")
         a, b, c = self.loss_weights
         per = a * ce + b * tv + c * conf_loss
