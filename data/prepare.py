@@ -12,7 +12,7 @@ from collections import Counter
 import hydra
 from omegaconf import DictConfig
 
-from data.chat import tokenize_conversation
+from data.chat import TRUNCATION_POLICIES, tokenize_conversation
 from data.conversations import load_conversations
 from data.errors import UserError, cli
 
@@ -21,6 +21,8 @@ def tokenize_split(tokenizer, source: str = "sharegpt", split: str = "train", he
                    max_length: int | None = 2048, truncation: str = "turn", max_conversations: int | None = None,
                    num_proc: int = 1, verbose: bool = True):
     """Conversations of a split → ``datasets.Dataset`` with ``id``, ``input_ids`` and ``loss_mask``; drops are reported."""
+    if truncation not in TRUNCATION_POLICIES:
+        raise UserError(f"data.truncation={truncation!r}: use one of {', '.join(TRUNCATION_POLICIES)}")
     ds = load_conversations(source, split, heldout_fraction, verbose=verbose)
     if max_conversations:
         ds = ds.select(range(min(max_conversations, len(ds))))
