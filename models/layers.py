@@ -151,6 +151,14 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     return out
 
 
+def shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
+    """x[:, t] ← x[:, t+n] along dim 1, padding the end with ``fill``."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Σ weight · (−Σ_v p log q) / Σ weight.  logits, target_probs [N, V]; weight [N]."""
     logq = torch.log_softmax(logits.float(), dim=-1)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from conftest import ROOT
-from models.heads.eagle3 import build_draft_vocab, shift_left, step_weights
+from models.heads.eagle3 import build_draft_vocab, step_weights
+from models.layers import shift_left
 from test_heads import batch, make_head
 
 CFG = ROOT / "conf" / "draft" / "eagle3.yaml"

@@ -87,6 +87,7 @@ class CausalLMModule(L.LightningModule):
         # kept out of the module tree so checkpoints hold one copy of the weights
         object.__setattr__(self, "_fwd", torch.compile(self.model) if compile else self.model)
         self.tokens_seen = 0
+        self._t0, self._wall_before = time.time(), 0.0  # wall time of earlier (resumed) segments
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         x, y = batch[:, :-1], batch[:, 1:]  # [B, T]
@@ -103,11 +104,17 @@ class CausalLMModule(L.LightningModule):
     def validation_step(self, batch: torch.Tensor, _: int) -> None:
         self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
+    def wall_time(self) -> float:
+        """Seconds spent on this run, over every resumed segment (up to the checkpoints kept)."""
+        return self._wall_before + time.time() - self._t0
+
     def on_save_checkpoint(self, ckpt: dict) -> None:
         ckpt["tokens_seen"] = self.tokens_seen
+        ckpt["wall_time"] = self.wall_time()
 
     def on_load_checkpoint(self, ckpt: dict) -> None:
         self.tokens_seen = ckpt.get("tokens_seen", 0)
+        self._t0, self._wall_before = time.time(), float(ckpt.get("wall_time", 0.0))
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -215,13 +222,8 @@ def run(cfg: DictConfig) -> dict:
     trainer = L.Trainer(**cfg.trainer, callbacks=callbacks, default_root_dir=str(run_dir),
                         logger=L.pytorch.loggers.CSVLogger(str(run_dir), name="logs"))
     ckpt_path = resolve_ckpt(cfg.ckpt_path, ckpt_dir)
-    t0 = time.time()
-    prev_time = 0.0
-    if ckpt_path:
-        prev_time = float(torch.load(ckpt_path, map_location="cpu", weights_only=False).get("wall_time", 0.0))
-    module.on_save_checkpoint = _with_wall_time(module.on_save_checkpoint, t0, prev_time)
     trainer.fit(module, dm, ckpt_path=ckpt_path)
-    wall = prev_time + time.time() - t0
+    wall = module.wall_time()
     val_loss = evaluate_heldout(module, val, cfg.seq_len, cfg.batch_size, cfg.final_val_batches)
     bpt = bytes_per_token(val, tok)
     n_params = sum(p.numel() for p in module.model.parameters())
@@ -248,13 +250,6 @@ def run(cfg: DictConfig) -> dict:
         export(module, tok, Path(cfg.export_dir), report)
         print(f"exported to {cfg.export_dir}")
     return report
-
-
-def _with_wall_time(fn, t0: float, prev: float):
-    def wrapped(ckpt: dict) -> None:
-        fn(ckpt)
-        ckpt["wall_time"] = prev + time.time() - t0
-    return wrapped
 
 
 @hydra.main(config_path="../conf", config_name="embedded_target", version_base="1.3")

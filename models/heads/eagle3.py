@@ -26,15 +26,7 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.layers import MLP, Attention, RMSNorm, Rotary, soft_cross_entropy, ttt_attention
-
-
-def shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
-    """x[:, t] ← x[:, t+n] along dim 1, padding the end with ``fill``."""
-    if n == 0:
-        return x
-    pad = torch.full_like(x[:, :n], fill)
-    return torch.cat([x[:, n:], pad], dim=1)
+from models.layers import MLP, Attention, RMSNorm, Rotary, shift_left, soft_cross_entropy, ttt_attention
 
 
 def step_weights(loss_mask: torch.Tensor, in_vocab: torch.Tensor, valid: torch.Tensor, j: int) -> torch.Tensor:

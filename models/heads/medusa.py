@@ -17,8 +17,7 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.heads.eagle3 import shift_left
-from models.layers import soft_cross_entropy
+from models.layers import shift_left, soft_cross_entropy
 
 
 class ResBlock(nn.Module):
