@@ -1,0 +1,210 @@
+"""Multi-token prediction head (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv 2412.19437, §2.2).
+
+D sequential modules on the target's last hidden state. Module k (1-based) at position t reads the previous
+depth's hidden state ``h^{k-1}_t`` (depth 0: the target's final-norm output) and the embedding of the next
+*known* token ``t_{t+k}``:
+
+    h'^k_t = eh_proj([enorm(Emb(t_{t+k})); hnorm(h^{k-1}_t)])        # 2d → d
+    h^k    = DecoderLayer(h'^k)                                       # causal over positions, like the target
+    P^k_t  = lm_head(norm_k(h^k_t))                                   # predicts token t+k+1
+
+What is unusual compared with Medusa (parallel heads on one state) and EAGLE-3 (one layer unrolled):
+- the modules are *different* layers chained in depth, each keeping the causal chain over the sequence:
+  module k's block attends to its own depth-k states at earlier positions, so at decoding time every
+  module keeps its own KV cache of the context;
+- training is fully teacher-forced (module k sees the real token t+k and the real depth-(k−1) chain), so
+  one pass over the batch trains all depths; no training-time test;
+- the token embedding and output head are the target's own, shared and frozen (here: frozen copies, as in
+  DFlash); each module has its own final norm (``shared_head.norm`` in DeepSeek's code), initialised from
+  the target's final norm so an untrained module already produces logits on the target's scale.
+The paper writes ``[RMSNorm(h); RMSNorm(Emb)]``; the reference code concatenates the embedding first
+(``eh_proj(cat(enorm(e), hnorm(h)))``). We follow the code and its module names (``enorm``, ``hnorm``,
+``eh_proj``) so published MTP weights map one to one; for a projection trained here the order is immaterial.
+
+Loss: ``Σ_k w_k · CE_k`` over the loss-masked data tokens (``soft=true``: against the target's distribution);
+DeepSeek-V3 weighs depths equally (λ/D); the default here is ``0.8**k`` as for the other heads in this
+repository (a later depth only counts if the earlier ones were accepted). Per-step accuracy is measured
+against the target's own top-1, so ``val/acc_len`` predicts greedy decoding.
+
+Decoding: module 1 proposes d_1 from the target's state at the last position and the pending token; module
+k proposes d_k from module k−1's states and the embeddings of the tokens d_1..d_{k−1} (teacher forcing with
+the drafts). Only positions whose inputs are all known (committed or the pending token) enter a module's
+cache; the drafted positions are recomputed every round, so nothing speculative needs to be cropped.
+``reuse_last_module``: propose more than D tokens by applying the last module at deeper depths (untrained
+extrapolation, each extra depth with its own cache); off by default.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data.errors import UserError
+from models.heads.base import DraftHead, HeadOutput
+from models.layers import DecoderLayer, RMSNorm, Rotary, shift_left, soft_cross_entropy
+
+
+class MTPModule(nn.Module):
+    """One MTP depth: ``eh_proj([enorm(emb); hnorm(h_prev)])`` → one pre-norm decoder block; ``norm`` feeds the head."""
+
+    def __init__(self, d: int, n_heads: int, n_kv: int, head_dim: int, d_ff: int, eps: float):
+        super().__init__()
+        self.enorm = RMSNorm(d, eps)          # on the embedding of token t+k
+        self.hnorm = RMSNorm(d, eps)          # on the previous depth's hidden state at t
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = DecoderLayer(d, n_heads, n_kv, d_ff, head_dim, eps)
+        self.norm = RMSNorm(d, eps)           # before the frozen output head
+
+    def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h_prev, emb [B, m, d] at m consecutive positions; past (k, v) [B, H, P, hd] of the P positions before
+        them (None: training, plain causal over the m positions).
+        Returns the pre-norm output [B, m, d] (handed to the next depth) and these positions' k, v [B, H, m, hd]."""
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))  # [B, m, d]
+        blk = self.block
+        q, k, v = blk.self_attn.qkv(blk.input_layernorm(x), cos, sin)
+        if past is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            P, m = past[0].shape[2], q.shape[2]
+            mask = torch.ones(m, P + m, dtype=torch.bool, device=q.device).tril(P)  # causal, after all past keys
+            o = F.scaled_dot_product_attention(q, torch.cat([past[0], k], 2), torch.cat([past[1], v], 2), attn_mask=mask)
+        x = x + blk.self_attn.out(o)
+        return x + blk.mlp(blk.post_attention_layernorm(x)), k, v
+
+
+class MTPHead(DraftHead):
+    family = "mtp"
+    needs_teacher_logits = True  # accuracy against the target's own top-1 (and soft targets)
+
+    def __init__(self, target: Any, num_modules: int = 3, loss_weights: list[float] | None = None, soft: bool = False,
+                 reuse_last_module: bool = False, rms_eps: float = 1e-6):
+        super().__init__(target, num_modules=num_modules, loss_weights=loss_weights, soft=soft,
+                         reuse_last_module=reuse_last_module, rms_eps=rms_eps)
+        if num_modules < 1:
+            raise UserError(f"draft.num_modules={num_modules}: must be >= 1")
+        weights = [0.8 ** k for k in range(num_modules)] if loss_weights is None else [float(w) for w in loss_weights]
+        if len(weights) != num_modules or min(weights) < 0 or sum(weights) <= 0:
+            raise UserError(f"draft.loss_weights={loss_weights}: give {num_modules} non-negative weights "
+                            f"(one per module, not all zero), or null for 0.8**k")
+        tc = target.config
+        d, V = tc.hidden_size, tc.vocab_size
+        n_heads = tc.num_attention_heads
+        n_kv = getattr(tc, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(tc, "head_dim", None) or d // n_heads
+        theta = getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or 10000.0
+        self.loss_weights, self.soft, self.reuse_last_module = weights, soft, reuse_last_module
+        self.layers = nn.ModuleList([MTPModule(d, n_heads, n_kv, head_dim, tc.intermediate_size, rms_eps)
+                                     for _ in range(num_modules)])
+        self.rotary = Rotary(head_dim, theta)
+        final_norm = getattr(getattr(target.model, "model", None), "norm", None)  # the target's final norm, if found
+        if final_norm is not None and getattr(final_norm, "weight", None) is not None and final_norm.weight.shape == (d,):
+            for m in self.layers:
+                m.norm.weight.data.copy_(final_norm.weight.data.float())
+        self.embed_tokens = nn.Embedding(V, d)
+        self.embed_tokens.weight.data.copy_(target.embed_tokens().weight.data.float())
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.lm_head.weight.data.copy_(target.lm_head().weight.data.float())
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.layers)
+
+    def module(self, depth: int) -> MTPModule:
+        """Weights used at depth ``depth`` (1-based): module ``depth``, or the last one beyond D."""
+        return self.layers[min(depth, len(self.layers)) - 1]
+
+    @property
+    def eh_dtype(self) -> torch.dtype:
+        return self.layers[0].eh_proj.weight.dtype
+
+    def logits(self, depth: int, h: torch.Tensor) -> torch.Tensor:
+        """Depth-``depth`` output [..., d] → logits [..., V] through the module's norm and the frozen head."""
+        return self.lm_head(self.module(depth).norm(h))
+
+    def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
+        valid = batch.get("attention_mask", torch.ones_like(ids))
+        B, T = ids.shape
+        K = self.num_steps
+        t_top = feats.logits.argmax(-1)  # [B, T] the target's next-token guess at each position
+        cos, sin = self.rotary(torch.arange(T, device=ids.device).expand(B, T))
+        h = feats.last_state.to(self.eh_dtype)  # [B, T, d] depth 0
+        loss = h.new_zeros(())
+        correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
+        for j, module in enumerate(self.layers):  # depth j+1: position t reads token t+1+j, predicts t+2+j
+            h, _, _ = module(h, self.embed_tokens(shift_left(ids, 1 + j)), cos, sin)  # [B, T, d]
+            logits = self.lm_head(module.norm(h))  # [B, T, V]
+            w = (shift_left(loss_mask, 2 + j) * shift_left(valid, 2 + j)).float()  # [B, T]
+            if self.soft:
+                p = torch.softmax(shift_left(feats.logits, 1 + j).float(), -1)
+                lj = soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
+            else:
+                ce = F.cross_entropy(logits.flatten(0, 1).float(), shift_left(ids, 2 + j).flatten(), reduction="none")
+                lj = (ce * w.flatten()).sum() / w.sum().clamp_min(1.0)
+            loss = loss + self.loss_weights[j] * lj
+            with torch.no_grad():
+                hit = (logits.argmax(-1) == shift_left(t_top, 1 + j)).float() * (w > 0)
+                correct[j], total[j] = hit.sum(), (w > 0).sum()
+        return HeadOutput(loss=loss, correct=correct, total=total)
+
+    # -- inference (the decoder's Drafter protocol) ----------------------------------------------
+    # State, with n = tokens the target has processed (the pending token excluded):
+    #   _ids   [n]                 those tokens
+    #   _kv[j-1] (k, v) [1, H, c_j, hd]  depth j's cache: its positions 0..c_j-1 whose inputs are all known
+    #                              (c_j = n-j+1 after a round that ran depth j; the pending token counts as known)
+    #   _rows[i] [1, r, d]         depth-i states of known positions not yet in depth i+1's cache
+    #                              (positions c_{i+1}.. ; _rows[0]: the target's last states)
+    def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
+        self._ids = prompt_ids.view(-1).to(self.lm_head.weight.device)
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rows = [feats.last_state[:1].to(self.lm_head.weight.device, self.eh_dtype)]
+
+    def commit(self, tokens: torch.Tensor, feats: Any) -> None:
+        """Accepted tokens ``[x, d_1..d_n]`` (processed by the target) and their last states; drafts of the
+        round were never cached, so there is nothing to crop."""
+        self._ids = torch.cat([self._ids, tokens.view(-1).to(self._ids.device)])
+        self._rows[0] = torch.cat([self._rows[0], feats.last_state[:1].to(self._rows[0])], 1)
+
+    @torch.no_grad()
+    def propose(self, pending: int, k: int, sampler: Any):
+        from eval.decoder import Proposal
+
+        n = self._ids.numel()
+        steps = k if self.reuse_last_module else min(k, self.num_steps)
+        seq = torch.cat([self._ids, self._ids.new_tensor([pending])])  # x_0..x_n, then the drafts as they come
+        tokens, probs = [], []
+        out = None  # depth j-1's states this round, at positions c_{j-1}..n-1
+        for j in range(1, steps + 1):
+            if len(self._kv) < j:  # a new depth (first round, or deeper than ever with reuse_last_module)
+                attn = self.module(j).block.self_attn
+                empty = self._rows[0].new_zeros(1, attn.n_heads, 0, attn.hd)
+                self._kv.append((empty, empty))
+                self._rows.append(self._rows[0][:, :0])
+            ck, cv = self._kv[j - 1]
+            c = ck.shape[2]
+            prev = self._rows[j - 1] if out is None else torch.cat([self._rows[j - 1], out], 1)  # [1, n-c, d]
+            pos = torch.arange(c, n, device=seq.device)[None]  # [1, n-c]
+            cos, sin = self.rotary(pos)
+            out, k_new, v_new = self.module(j)(prev, self.embed_tokens(seq[pos + j]), cos, sin, (ck, cv))
+            known = max(0, n - j + 1)  # depth j's positions < known have every input known (token t+j <= x_n)
+            self._kv[j - 1] = (torch.cat([ck, k_new[:, :, : known - c]], 2), torch.cat([cv, v_new[:, :, : known - c]], 2))
+            known_prev = n if j == 1 else max(0, n - j + 2)
+            self._rows[j - 1] = prev[:, known - c: known_prev - c]  # depth j-1 states depth j has not cached yet
+            logits = self.logits(j, out[0, -1])  # position n-1 predicts x_{n+j}
+            if sampler.greedy:
+                t = int(logits.argmax())
+            else:
+                q = sampler.probs(logits)
+                t = sampler.sample(q)
+                probs.append(q)
+            tokens.append(t)
+            seq = torch.cat([seq, seq.new_tensor([t])])
+            last, last_c, last_known = j, c, known
+        if tokens and (last < self.num_steps or self.reuse_last_module):  # keep the deepest run's known states for depth last+1
+            self._rows[last] = torch.cat([self._rows[last], out[:, : last_known - last_c]], 1)
+        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)

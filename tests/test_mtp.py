@@ -1,0 +1,141 @@
+"""MTP specifics: label alignment, frozen shared parts, the per-module inference caches, reuse_last_module."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import ROOT
+from data.errors import UserError
+from eval.decoder import Sampler, SpeculativeDecoder
+from models.heads.mtp import MTPHead
+from models.layers import shift_left
+from models.target import TargetOutput
+from test_decoder import plain_greedy
+from test_heads import batch, make_head
+
+CFG = ROOT / "conf" / "draft" / "mtp.yaml"
+
+
+def test_shapes_gradients_and_label_alignment():
+    target, head = make_head(CFG, num_modules=3)
+    assert head.num_steps == 3 and head.loss_weights == pytest.approx([1.0, 0.8, 0.64])
+    b = batch(B=1, T=12)
+    b["loss_mask"].zero_()
+    b["loss_mask"][0, 9] = 1  # only token 9 counts
+    feats = target(b["input_ids"], return_logits=True)
+    out = head.training_loss(b, feats)
+    assert out.loss.ndim == 0 and out.correct.shape == out.total.shape == (3,)
+    assert out.total.tolist() == [1, 1, 1]  # module k (1-based) predicts token t+k+1: positions 7, 6, 5
+    out.loss.backward()
+    for m in head.layers:  # every module learns (module k feeds every deeper one)
+        assert m.eh_proj.weight.grad.abs().sum() > 0 and m.block.mlp.down_proj.weight.grad.abs().sum() > 0
+    # position 5 feeds only module 3's scored position; 7 only module 1's (causal: later positions see it too)
+    feats.last_state[0, 8] += 100.0
+    assert torch.equal(head.training_loss(b, feats).loss, out.loss)  # position 8 is after every scored position
+    feats.last_state[0, 5] += 100.0
+    assert head.training_loss(b, feats).loss != out.loss
+
+
+def test_loss_weights_and_bad_arguments():
+    target, head = make_head(CFG, num_modules=2, loss_weights=[1.0, 1.0])
+    assert head.loss_weights == [1.0, 1.0]
+    with pytest.raises(UserError, match="loss_weights"):
+        MTPHead(target, num_modules=3, loss_weights=[1.0, 0.5])
+    with pytest.raises(UserError, match="loss_weights"):
+        MTPHead(target, num_modules=2, loss_weights=[1.0, -0.5])
+    with pytest.raises(UserError, match="num_modules"):
+        MTPHead(target, num_modules=0)
+
+
+def test_frozen_embedding_and_head_stay_frozen():
+    target, head = make_head(CFG)
+    assert torch.equal(head.embed_tokens.weight, target.embed_tokens().weight)
+    assert torch.equal(head.lm_head.weight, target.lm_head().weight)
+    frozen = {"embed_tokens.weight", "lm_head.weight"}
+    assert {n for n, p in head.named_parameters() if not p.requires_grad} == frozen
+    before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    b = batch()
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        head.training_loss(b, feats).loss.backward()
+        assert head.embed_tokens.weight.grad is None and head.lm_head.weight.grad is None
+        opt.step()
+    for n, p in head.named_parameters():
+        assert torch.equal(before[n], p) == (n in frozen), n
+
+
+def teacher_forced_tokens(head, target, ids: torch.Tensor, at: int) -> list[int]:
+    """Greedy token of every depth at position ``at`` from the training-time (whole-sequence) forward."""
+    T = ids.numel()
+    h = target(ids[None]).last_state
+    cos, sin = head.rotary(torch.arange(T)[None])
+    out = []
+    with torch.no_grad():
+        for j, m in enumerate(head.layers):
+            h, _, _ = m(h, head.embed_tokens(shift_left(ids[None], 1 + j)), cos, sin)
+            out.append(int(head.lm_head(m.norm(h[0, at])).argmax()))
+    return out
+
+
+def test_inference_chain_equals_the_training_forward():
+    """Decoding's chain is the teacher-forced forward with the drafts as the following tokens."""
+    target, head = make_head(CFG, num_modules=3)
+    prompt = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(3))
+    head.start(prompt, target(prompt[None]))
+    drafts = head.propose(17, 3, Sampler()).tokens.tolist()
+    seq = torch.cat([prompt, torch.tensor([17] + drafts)])
+    assert teacher_forced_tokens(head, target, seq, at=prompt.numel() - 1) == drafts
+
+
+@pytest.mark.parametrize("reuse,k", [(False, 3), (False, 5), (True, 5)])
+def test_inference_cache_equals_full_recompute(reuse, k):
+    """After any sequence of rounds, propose gives what a fresh start over the whole sequence gives, and every
+    module's cache holds exactly the fresh start's keys/values (accepted positions only)."""
+    target, head = make_head(CFG, num_modules=3, reuse_last_module=reuse)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (2,), generator=g)  # shorter than D: early depths have no known position yet
+    head.start(ids, target(ids[None]))
+    for round_ in range(9):
+        kr = 1 if round_ in (3, 6) else k  # short rounds leave the deeper caches behind for a while
+        pending = int(torch.randint(0, 128, (), generator=g))
+        drafts = head.propose(pending, kr, Sampler()).tokens
+        assert drafts.numel() == (kr if reuse else min(kr, 3))
+        fresh = copy.deepcopy(head)
+        fresh.start(ids, target(ids[None]))
+        assert torch.equal(fresh.propose(pending, kr, Sampler()).tokens, drafts)
+        assert len(fresh._kv) == drafts.numel()
+        for (k1, v1), (k2, v2) in zip(head._kv, fresh._kv):  # the depths this round ran
+            assert k1.shape == k2.shape and torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
+        n_acc = round_ % (drafts.numel() + 1)  # accept 0, 1, 2, ... drafts
+        block = torch.cat([torch.tensor([pending]), drafts[:n_acc]])
+        ids = torch.cat([ids, block])
+        head.commit(block, _tail(target, ids, block.numel()))
+    assert ids.numel() > 10
+
+
+def _tail(target, ids, n):
+    """Target features of the last n tokens of ``ids`` (what the decoder commits after a round)."""
+    out = target(ids[None])
+    return TargetOutput(tap_states=out.tap_states[:, -n:], last_state=out.last_state[:, -n:])
+
+
+def test_reuse_last_module_decodes_losslessly_and_longer():
+    target, head = make_head(CFG, num_modules=2)
+    prompt = torch.randint(0, 128, (7,), generator=torch.Generator().manual_seed(5))
+    head.start(prompt, target(prompt[None]))
+    assert head.propose(4, 5, Sampler()).tokens.numel() == 2  # off by default: at most D tokens
+    head.reuse_last_module = True
+    head.start(prompt, target(prompt[None]))
+    assert head.propose(4, 5, Sampler()).tokens.numel() == 5
+    assert head.module(5) is head.layers[-1]
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    ref = plain_greedy(target.model, prompt, 16)
+    out, st = dec.generate(prompt, head, k=5, max_new_tokens=16)
+    assert out == ref and st.passes >= 1
+    out, _ = dec.generate(prompt, head, k=5, max_new_tokens=16,
+                          sampler=Sampler(1.0, generator=torch.Generator().manual_seed(0)))
+    assert len(out) == 16
