@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test venv target clean
+.PHONY: quickstart test venv target clean check-speculators
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 # Rebuild the embedded target from scratch (about two hours on a 2-core CPU); resumes from its last checkpoint.
 target: $(STAMP)
 	$(BIN)/python -m train.embedded_target ckpt_path=last
+
+# Our exports loaded by the speculators library (vLLM's format) in its own venv .venv-speculators (built by the
+# test if missing: torch==2.13.0 speculators==0.9.0, about a minute), logits compared with ours.
+check-speculators: $(STAMP)
+	$(BIN)/python -m pytest tests/test_formats.py -k "speculators_library or round_trip" -s
 
 clean:
 	rm -rf $(VENV) runs outputs multirun

@@ -98,17 +98,29 @@ def read_draft_config(path: str | Path) -> dict:
 
 
 def load_draft(path: str | Path, target: Any) -> DraftHead:
-    """Rebuild an exported head on ``target`` (checked against the recorded target identity)."""
+    """Rebuild an exported head on ``target`` (checked against the recorded target identity).
+
+    A directory in a serving format (vLLM speculators, SGLang EAGLE-3, z-lab DFlash) is imported through
+    :mod:`models.formats`: its config becomes ours, its tensors are renamed, its layer ids converted."""
     from safetensors.torch import load_file
 
-    cfg = read_draft_config(path)
+    from models import formats
+
+    foreign = formats.detect_format(path)
+    if foreign:
+        cfg, state = formats.import_draft(path, target)
+    else:
+        cfg = read_draft_config(path)
     mod, _, name = cfg["class"].rpartition(".")
     cls = getattr(importlib.import_module(mod), name)
     target.set_tap_layers(cfg["tap_layers"])  # the draft was trained on these taps
     head = cls(target=target, **cfg["init_args"])
     head.target_identity = cfg["target"]
     head.check_target(target)
-    state = load_file(str(Path(path) / "model.safetensors"))
+    if foreign:
+        formats.check_import(head, cfg, state)  # what the format fixes but the constructor derives; tensor shapes
+    else:
+        state = load_file(str(Path(path) / "model.safetensors"))
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UserError(f"{path}/model.safetensors does not match {cfg['class']}: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -1,0 +1,50 @@
+"""``python -m train.export``: ship a trained draft to a serving engine (format chosen by config).
+
+    python -m train.export src=runs/eagle3-embedded                          # vLLM speculators format
+    python -m train.export src=runs/eagle3-embedded format=sglang            # SGLang EAGLE-3
+    python -m train.export src=runs/dflash/draft format=dflash out=dflash-z   # z-lab DFlash (SGLang --speculative-algorithm DFLASH)
+    python -m train.export src=runs/x verifier=meta-llama/Llama-3.1-8B-Instruct dtype=bfloat16
+
+The draft is rebuilt on its target (``verifier``, or the target it records), converted by
+:mod:`models.formats` (parameter names, layer-id convention, engine config) and written atomically:
+a refused or failed export leaves no directory behind. ``load_draft`` (and so ``python -m eval``) reads
+every format this writes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from data.errors import UserError, cli
+
+
+def run(cfg: DictConfig) -> dict:
+    from models.formats import draft_family, export_draft, resolve_draft_dir
+
+    if not cfg.get("src"):
+        raise UserError("src: give a run directory or an exported draft (src=runs/<name>)")
+    out = cfg.out or f"{str(cfg.src).rstrip('/')}-{cfg.format}"
+    path = export_draft(cfg.src, cfg.format, out, verifier=cfg.verifier, dtype=cfg.dtype)
+    src = resolve_draft_dir(cfg.src)
+    exported = json.loads((Path(path) / "config.json").read_text())
+    result = {"draft": str(src), "family": draft_family(src)[0], "format": cfg.format, "out": str(path),
+              "files": sorted(p.name for p in Path(path).iterdir())}
+    for key in ("speculators_model_type", "architectures", "eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids",
+                "eagle_config", "dflash_config"):
+        if key in exported:
+            result[key] = exported[key]
+    print(json.dumps(result, indent=2))
+    return result
+
+
+@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+@cli
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
