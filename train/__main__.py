@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.errors import atomic_file, cli
+from data.errors import atomic_file, cli, write_json
 from train.build import build, instantiate, resolve_ckpt
 
 
@@ -53,10 +53,14 @@ def run(cfg: DictConfig) -> dict:
         state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
         module.load_state_dict(state, strict=False)
     result = {"run_dir": str(run_dir), "global_step": trainer.global_step, "best_checkpoint": best,
+              "train_time_s": round(module.train_time_s, 1),
+              "trainable_params": sum(p.numel() for p in head.parameters() if p.requires_grad),
+              "train_tokens": module.train_tokens,
               **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
     if trainer.is_global_zero:
         out = head.export(run_dir / "draft", train_config=resolved)
         result["export"] = str(out)
+        write_json(run_dir / "result.json", result)
         print(json.dumps(result, indent=2))
     return result
 

@@ -7,6 +7,7 @@ warm-up + cosine schedule, the frozen target, and the validation metrics: per-st
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning as L
@@ -26,6 +27,16 @@ class DraftModule(L.LightningModule):
         self.warmup_ratio, self.min_lr_ratio = warmup_ratio, min_lr_ratio
         self.strict_loading = False  # checkpoints leave out the frozen target
         self._val_correct = self._val_total = None
+        self._time_before, self._t0 = 0.0, None  # training wall time of earlier (resumed) runs, start of this one
+        self.train_tokens = 0  # non-padding tokens seen by training steps (this rank), kept in checkpoints
+
+    @property
+    def train_time_s(self) -> float:
+        """Wall time spent in fit, summed over resumed runs (kept in the checkpoints)."""
+        return self._time_before + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
+
+    def on_train_start(self) -> None:
+        self._t0 = time.perf_counter()
 
     # -- features -------------------------------------------------------------------------------
     def features(self, batch: dict[str, torch.Tensor]) -> TargetOutput:
@@ -47,7 +58,9 @@ class DraftModule(L.LightningModule):
         acc = out.correct / out.total.clamp_min(1)
         self.log("train/loss", out.loss, prog_bar=True)
         self.log("train/acc_len", expected_acceptance_length(acc), prog_bar=True)
-        self.log("train/tokens", float(batch["attention_mask"].sum()), reduce_fx="sum")
+        n = int(batch["attention_mask"].sum())
+        self.train_tokens += n
+        self.log("train/tokens", float(n), reduce_fx="sum")
         for k, v in out.metrics.items():
             self.log(f"train/{k}", v)
         return out.loss
@@ -87,3 +100,8 @@ class DraftModule(L.LightningModule):
     # -- checkpoints: the frozen target is not saved ---------------------------------------------
     def on_save_checkpoint(self, ckpt: dict) -> None:
         ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if not k.startswith("target.")}
+        ckpt["train_time_s"], ckpt["train_tokens"] = self.train_time_s, self.train_tokens
+
+    def on_load_checkpoint(self, ckpt: dict) -> None:
+        self._time_before = float(ckpt.get("train_time_s", 0.0))
+        self.train_tokens = int(ckpt.get("train_tokens", 0))

@@ -1,0 +1,118 @@
+"""``python -m eval.compare``: every drafter family trained on the same data, tokens and seed, then evaluated
+side by side through the one decoder, beside plain decoding and the baselines (n-gram, a small draft model).
+
+    python -m eval.compare                                     # train (or resume) all families, then evaluate
+    python -m eval.compare train=false limit=5                 # evaluate what is already under run_dir
+    python -m eval.compare "families={eagle3:[draft=eagle3],dflash:[draft=dflash,draft.block_size=16]}"
+    python -m eval.compare "train_overrides=[trainer.max_steps=20]" run_dir=runs/compare-smoke
+
+Each family trains in its own ``python -m train`` process into ``<run_dir>/<family>`` with ``ckpt_path=last``,
+so an interrupted comparison resumes where it stopped; a family whose ``result.json`` exists is not
+retrained. Writes ``compare.json``, ``compare.md`` (the summary table: τ and speed-up per set at each
+temperature, trainable parameters, training tokens and time) plus the full per-position report of
+``python -m eval`` (``results.json``, ``results.md``, ``acceptance.png``) into ``<run_dir>/eval``.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from data.errors import UserError, atomic_file, cli, write_json
+
+
+def train_family(name: str, overrides: list[str], shared: list[str], run_dir: Path) -> dict:
+    """Train one family in a child process (resumable); return its ``result.json``."""
+    out = run_dir / name
+    result = out / "result.json"
+    if not result.exists():
+        cmd = [sys.executable, "-m", "train", *shared, *overrides, f"name=compare-{name}", f"hydra.run.dir={out}",
+               "ckpt_path=last"]
+        print(f"\n== training {name}: {' '.join(cmd[2:])}", flush=True)
+        t = time.time()
+        rc = subprocess.run(cmd).returncode
+        if rc != 0:
+            raise UserError(f"training {name} failed (exit {rc}); rerun `python -m eval.compare` to resume it")
+        print(f"== {name} trained in {time.time() - t:.0f} s", flush=True)
+    return json.loads(result.read_text())
+
+
+def summary_table(results: dict, trained: dict, protocol: dict) -> str:
+    """One row per drafter: τ and speed-up per (set, temperature), then cost columns."""
+    cols = [(s, t) for s, by_t in results.items() for t in by_t]
+    head = ["drafter", *[f"τ {s} {t}" for s, t in cols], *[f"speed-up {s} {t}" for s, t in cols],
+            "trainable params", "train tokens", "train time"]
+    drafters = list(next(iter(next(iter(results.values())).values())))
+    lines = [f"Protocol: k={protocol['k']}, max_new_tokens={protocol['max_new_tokens']}, prompts per set ≤ {protocol['limit']}, "
+             f"top_p={protocol['top_p']}, target `{protocol['target']}`; τ counts the bonus token; speed-up is "
+             "tokens/s over plain decoding of the same prompts in the same run.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d in drafters:
+        tr = trained.get(d, {})
+        cells = [d, *[f"{results[s][t][d]['tau']:.2f}" for s, t in cols],
+                 *[f"{results[s][t][d].get('speedup', 1.0):.2f}×" for s, t in cols],
+                 f"{tr['trainable_params'] / 1e6:.2f}M" if tr else "", f"{tr['train_tokens'] / 1e3:.0f}k" if tr else "",
+                 f"{tr['train_time_s'] / 60:.1f} min" if tr else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: DictConfig) -> dict:
+    from eval.run import build_drafter, evaluate, load_head, write_report
+    from models.target import load_tokenizer
+    from train.build import instantiate
+
+    run_dir = Path(cfg.run_dir)
+    families = {k: list(v) for k, v in (cfg.families or {}).items() if v is not None}
+    trained: dict = {}
+    for name, overrides in families.items():
+        if cfg.train:
+            trained[name] = train_family(name, overrides, list(cfg.train_overrides), run_dir)
+        else:
+            p = run_dir / name / "result.json"
+            if not p.exists():
+                raise UserError(f"{p}: family {name} is not trained; run with train=true or remove it from families")
+            trained[name] = json.loads(p.read_text())
+
+    target = instantiate(cfg.target)
+    tok = load_tokenizer(cfg.target.name_or_path)
+    drafters = {name: build_drafter(node, target) for name, node in (cfg.baselines or {}).items() if node is not None}
+    for name, tr in trained.items():
+        drafters[name] = load_head(tr["export"], target)
+    sets = []
+    for node in (cfg.eval_set or {}).values():
+        pset = instantiate(node)
+        pset.limit = cfg.limit
+        sets.append(pset)
+    protocol = {"target": str(cfg.target.name_or_path), "template": f"{type(tok).__name__}.chat_template",
+                "temperatures": list(cfg.temperatures), "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+                "k": cfg.k, "limit": cfg.limit, "drafters": list(drafters), "seed": cfg.seed,
+                "train_overrides": list(cfg.train_overrides), "families": families}
+    print("protocol: " + ", ".join(f"{k}={v}" for k, v in protocol.items()), flush=True)
+    t = time.time()
+    results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed)
+    out = run_dir / "eval"
+    write_report(results, protocol, out)
+    table = summary_table(results, trained, protocol)
+    with atomic_file(out / "compare.md") as f:
+        f.write(table)
+    write_json(out / "compare.json", {"protocol": protocol, "trained": trained, "results": results,
+                                      "eval_time_s": round(time.time() - t, 1)})
+    print(table)
+    print(f"wrote {out}/compare.md, compare.json, results.md, acceptance.png")
+    return results
+
+
+@hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
+@cli
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
