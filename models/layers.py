@@ -50,7 +50,7 @@ class Attention(nn.Module):
     """Multi-head attention with grouped K/V; ``d_in`` may differ from ``d`` (EAGLE-3 feeds 2d-wide inputs)."""
 
     def __init__(self, d: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
-                 d_in: int | None = None, bias: bool = False):
+                 d_in: int | None = None, bias: bool = False, qk_norm: bool = False, eps: float = 1e-6):
         super().__init__()
         self.n_heads, self.n_kv = n_heads, n_kv_heads or n_heads
         self.hd = head_dim or d // n_heads
@@ -59,12 +59,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_in, self.n_kv * self.hd, bias=bias)
         self.v_proj = nn.Linear(d_in, self.n_kv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.hd, d, bias=False)
+        if qk_norm:  # per-head RMSNorm of q and k before RoPE (Qwen3 layers; every published DFlash layer)
+            self.q_norm = RMSNorm(self.hd, eps)
+            self.k_norm = RMSNorm(self.hd, eps)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d_in] → q [B, H, T, hd], k, v [B, H, T, hd] (K/V repeated to H heads), rotary applied."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         rep = self.n_heads // self.n_kv

@@ -29,6 +29,12 @@ def hf_hidden_index(layer: int) -> int:
     return layer + 1
 
 
+def rope_theta(config) -> float:
+    """The RoPE base of an HF config: transformers 5 keeps it in ``rope_parameters``, older configs at top level."""
+    rp = getattr(config, "rope_parameters", None) or {}
+    return float(getattr(config, "rope_theta", None) or (rp.get("rope_theta") if isinstance(rp, dict) else None) or 10000.0)
+
+
 def default_tap_layers(num_layers: int, method: str = "eagle3", n_taps: int = 5) -> list[int]:
     """Default tap layers (decoder-layer indices) per DESIGN.md §2.
 

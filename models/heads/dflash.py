@@ -26,15 +26,16 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.layers import MLP, Attention, RMSNorm, Rotary, apply_rotary
+from models.target import rope_theta
 
 
 class DFlashLayer(nn.Module):
     """A target-shaped decoder layer whose attention also reads the (already normalised) context rows."""
 
-    def __init__(self, d: int, n_heads: int, n_kv: int, head_dim: int, d_ff: int, eps: float):
+    def __init__(self, d: int, n_heads: int, n_kv: int, head_dim: int, d_ff: int, eps: float, qk_norm: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(d, eps)
-        self.self_attn = Attention(d, n_heads, n_kv, head_dim)
+        self.self_attn = Attention(d, n_heads, n_kv, head_dim, qk_norm=qk_norm, eps=eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.mlp = MLP(d, d_ff)
 
@@ -91,9 +92,10 @@ class DFlashHead(DraftHead):
     needs_teacher_logits = True  # accuracy against the target's own top-1
 
     def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 64,
-                 gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6):
+                 gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,
+                 qk_norm: bool = False):
         super().__init__(target, block_size=block_size, num_layers=num_layers, num_anchors=num_anchors, gamma=gamma,
-                         mask_token_id=mask_token_id, rms_eps=rms_eps)
+                         mask_token_id=mask_token_id, rms_eps=rms_eps, qk_norm=qk_norm)
         tc = target.config
         if block_size < 2:
             raise UserError(f"draft.block_size={block_size}: must be >= 2 (the anchor and at least one drafted token)")
@@ -110,10 +112,10 @@ class DFlashHead(DraftHead):
         n_taps = len(target.tap_layers)
         self.fc = nn.Linear(n_taps * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, rms_eps)
-        self.layers = nn.ModuleList([DFlashLayer(d, n_heads, n_kv, head_dim, tc.intermediate_size, rms_eps)
+        self.layers = nn.ModuleList([DFlashLayer(d, n_heads, n_kv, head_dim, tc.intermediate_size, rms_eps, qk_norm)
                                      for _ in range(num_layers)])
         self.norm = RMSNorm(d, rms_eps)
-        self.rotary = Rotary(head_dim, getattr(tc, "rope_theta", None) or 10000.0)
+        self.rotary = Rotary(head_dim, rope_theta(tc))
         self.embed_tokens = nn.Embedding(tc.vocab_size, d)
         self.embed_tokens.weight.data.copy_(target.embed_tokens().weight.data.float())
         self.lm_head = nn.Linear(d, tc.vocab_size, bias=False)

@@ -29,8 +29,8 @@ class DSparkHead(DFlashHead):
     def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 32,
                  gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,
                  markov_rank: int = 256, confidence_threshold: float = 0.0,
-                 loss_weights: tuple[float, float, float] = (0.1, 0.9, 1.0)):
-        super().__init__(target, block_size, num_layers, num_anchors, gamma, mask_token_id, rms_eps)
+                 loss_weights: tuple[float, float, float] = (0.1, 0.9, 1.0), qk_norm: bool = False):
+        super().__init__(target, block_size, num_layers, num_anchors, gamma, mask_token_id, rms_eps, qk_norm)
         self.init_args.update(markov_rank=markov_rank, confidence_threshold=confidence_threshold,
                               loss_weights=list(loss_weights))
         d, V = target.config.hidden_size, target.config.vocab_size

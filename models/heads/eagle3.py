@@ -27,6 +27,7 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.layers import MLP, Attention, RMSNorm, Rotary, shift_left, soft_cross_entropy, ttt_attention
+from models.target import rope_theta as target_rope_theta
 
 
 def step_weights(loss_mask: torch.Tensor, in_vocab: torch.Tensor, valid: torch.Tensor, j: int) -> torch.Tensor:
@@ -91,7 +92,7 @@ class Eagle3Head(DraftHead):
         self.midlayer = Eagle3MidLayer(d, n_heads, n_kv, head_dim, intermediate_size or tc.intermediate_size, rms_eps)
         self.norm = RMSNorm(d, rms_eps)
         self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
-        self.rotary = Rotary(head_dim, rope_theta or getattr(tc, "rope_theta", None) or 10000.0)
+        self.rotary = Rotary(head_dim, rope_theta or target_rope_theta(tc))
         d2t, t2d = build_draft_vocab(torch.ones(V), self.draft_vocab_size)  # identity-like until data is seen
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)

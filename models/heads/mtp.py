@@ -44,6 +44,7 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.layers import DecoderLayer, RMSNorm, Rotary, shift_left, soft_cross_entropy
+from models.target import rope_theta
 
 
 class MTPModule(nn.Module):
@@ -94,7 +95,7 @@ class MTPHead(DraftHead):
         n_heads = tc.num_attention_heads
         n_kv = getattr(tc, "num_key_value_heads", None) or n_heads
         head_dim = getattr(tc, "head_dim", None) or d // n_heads
-        theta = getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get("rope_theta") or 10000.0
+        theta = rope_theta(tc)
         self.loss_weights, self.soft, self.reuse_last_module = weights, soft, reuse_last_module
         self.layers = nn.ModuleList([MTPModule(d, n_heads, n_kv, head_dim, tc.intermediate_size, rms_eps)
                                      for _ in range(num_modules)])
