@@ -33,8 +33,10 @@ def prompts(tmp_path_factory):
     return p
 
 
-def run_eval(*args):
-    return subprocess.run([sys.executable, "-m", "eval", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def run_eval(*args, draft_model: str | None = None):
+    """`python -m eval`; the shipped draft model only fits the embedded target, so it is left out unless given."""
+    dm = f"drafters.draft_model.path={draft_model}" if draft_model else "drafters.draft_model=null"
+    return subprocess.run([sys.executable, "-m", "eval", dm, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_eval_writes_table_json_and_plot(tiny_target_dir, trained, prompts, tmp_path):
@@ -78,3 +80,6 @@ def test_malformed_prompt_file_and_foreign_draft(tiny_target_dir, trained, tmp_p
     r = run_eval(f"target.name_or_path={other}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
                  f"eval_set.jsonl.path={bad}", f"out_dir={tmp_path}/o")
     assert r.returncode == 2 and "draft was built for target" in r.stderr
+    r = run_eval(f"target.name_or_path={tiny_target_dir}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
+                 f"eval_set.jsonl.path={bad}", f"out_dir={tmp_path}/o", draft_model=str(ROOT / "assets/draft_model"))
+    assert r.returncode == 2 and "vocabulary 8192 != target's" in r.stderr.splitlines()[-1], r.stderr[-800:]
