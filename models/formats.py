@@ -6,7 +6,8 @@ Formats (``format=`` of ``python -m train.export``) and the families each can ho
   ``speculators_model_type``, ``architectures``, ``speculators_version``, ``speculators_config`` (algorithm,
   proposal methods, verifier) and ``transformer_layer_config``; ``model.safetensors`` named as that
   library's model classes name their parameters. EAGLE-3 (``Eagle3DraftModel``), DFlash
-  (``DFlashDraftModel``), DSpark (``DSparkDraftModel``).
+  (``DFlashDraftModel``), DSpark (``DSparkDraftModel``), MTP (``MTPDraftModel``: one Qwen3 layer reused at every
+  depth and fed its own normed output; only an MTP head built in that layout, ``draft=mtp_speculators``).
 - ``sglang``: SGLang's EAGLE-3 layout (``LlamaForCausalLMEagle3`` config with ``draft_vocab_size`` and
   ``eagle_config``; weights ``fc``, ``midlayer``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, no embedding).
 - ``dflash``: z-lab's DFlash layout (Qwen3-style config plus ``block_size``, ``num_target_layers`` and
@@ -39,13 +40,10 @@ from data.errors import UserError, atomic_dir
 from models.target import hf_hidden_index
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose model classes define the names used here
-FORMATS: dict[str, tuple[str, ...]] = {"speculators": ("eagle3", "dflash", "dspark"), "sglang": ("eagle3",),
+FORMATS: dict[str, tuple[str, ...]] = {"speculators": ("eagle3", "dflash", "dspark", "mtp"), "sglang": ("eagle3",),
                                        "dflash": ("dflash",)}
 # what no format here can hold, and why (shown when such an export is asked for)
-CANNOT: dict[tuple[str, str], str] = {
-    ("speculators", "mtp"): "speculators' MTP model is one Qwen3 layer (per-head q/k norms) reused at every step and fed "
-                            "its own final-norm output, while the MTP head here chains D Llama-style modules on pre-norm states",
-}
+CANNOT: dict[tuple[str, str], str] = {}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # -- layer ids: the one conversion --------------------------------------------------------------------
@@ -83,22 +81,29 @@ def _rope_theta(rotary: torch.nn.Module) -> float:
     return est
 
 
-def _attn(head: Any) -> Any:
-    return head.midlayer.self_attn if head.family == "eagle3" else head.layers[0].self_attn
+def _layer(head: Any) -> Any:
+    """The (first) decoder layer of a head: the one whose sizes the engine config names."""
+    if head.family == "eagle3":
+        return head.midlayer
+    return head.layers[0].block if head.family == "mtp" else head.layers[0]
 
 
 def head_dims(head: Any) -> dict:
-    """Architecture numbers of an EAGLE-3 / DFlash / DSpark head, read from its modules (never recomputed)."""
-    a = _attn(head)
-    mlp = head.midlayer.mlp if head.family == "eagle3" else head.layers[0].mlp
-    dims = {"hidden_size": head.fc.out_features, "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv,
-            "head_dim": a.hd, "intermediate_size": mlp.gate_proj.out_features, "rms_norm_eps": head.norm.eps,
-            "rope_theta": _rope_theta(head.rotary), "num_taps": head.fc.in_features // head.fc.out_features}
+    """Architecture numbers of an EAGLE-3 / DFlash / DSpark / MTP head, read from its modules (never recomputed)."""
+    layer = _layer(head)
+    a, mlp = layer.self_attn, layer.mlp
+    dims = {"num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv, "head_dim": a.hd,
+            "intermediate_size": mlp.gate_proj.out_features, "rope_theta": _rope_theta(head.rotary),
+            "qk_norm": hasattr(a, "q_norm") and hasattr(a, "k_norm")}
+    if head.family == "mtp":
+        m = head.layers[0]
+        return dims | {"hidden_size": m.eh_proj.out_features, "rms_norm_eps": m.norm.eps, "vocab_size": head.lm_head.out_features,
+                       "num_modules": len(head.layers), "chain_normed": m.norm_output}
+    dims.update(hidden_size=head.fc.out_features, rms_norm_eps=head.norm.eps, num_taps=head.fc.in_features // head.fc.out_features)
     if head.family == "eagle3":
         dims.update(vocab_size=head.t2d.numel(), draft_vocab_size=head.draft_vocab_size, num_hidden_layers=1)
     else:
-        dims.update(vocab_size=head.lm_head.out_features, num_hidden_layers=len(head.layers),
-                    qk_norm=hasattr(a, "q_norm") and hasattr(a, "k_norm"))
+        dims.update(vocab_size=head.lm_head.out_features, num_hidden_layers=len(head.layers))
     if head.family == "dspark":
         dims["markov_rank"] = head.markov_in.embedding_dim
     return dims
@@ -209,9 +214,38 @@ def _dflash_zlab(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, 
     return cfg, _renamed(head.state_dict(), _dflash_body)
 
 
+# speculators' MTPDraftModel names (mtp_layers.0.<its name>) for our MTPModule parts; the block's own parts keep theirs
+MTP_NAMES = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj", "norm": "final_layernorm"}
+
+
+def _mtp_speculators(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
+    d = head_dims(head)
+    differs = [why for bad, why in ((d["num_modules"] != 1, f"{d['num_modules']} modules (shared_module)"),
+                                    (not d["qk_norm"], "no q/k norms (qk_norm)"),
+                                    (not d["chain_normed"], "pre-norm states handed on (chain_normed)")) if bad]
+    if differs:
+        raise UserError(f"format=speculators cannot hold this mtp draft: speculators' MTP is one Qwen3 layer reused at every "
+                        f"depth and fed its own normed output, this draft has {', '.join(differs)}; "
+                        f"train it with draft=mtp_speculators")
+    cfg = _speculators_envelope("mtp", "MTPDraftModel", head.num_steps, verifier)
+    # speculators' MTP reads hidden_states[transformer_layer_config.num_hidden_layers]: the target's last layer, whose
+    # Hugging Face entry is the final-norm output (our last_state); so the layer config keeps the target's layer count
+    last = engine_layer_ids([int(tc.num_hidden_layers) - 1], "speculators")[0]
+    cfg.update(transformer_layer_config=_layer_config("qwen3", d, tc, last, dtype), num_nextn_predict_layers=1)
+
+    def rename(k: str) -> str | None:
+        if k in ("embed_tokens.weight", "lm_head.weight"):
+            return None  # speculators always loads the verifier's (ours are frozen copies of them)
+        part, _, rest = k.removeprefix("layers.0.").partition(".")
+        return f"mtp_layers.0.{rest}" if part == "block" else f"mtp_layers.0.{MTP_NAMES[part]}.{rest}"
+
+    return cfg, _renamed(head.state_dict(), rename)
+
+
 EXPORTERS: dict[tuple[str, str], Callable] = {("speculators", "eagle3"): _eagle3_speculators, ("sglang", "eagle3"): _eagle3_sglang,
                                               ("speculators", "dflash"): _dflash_speculators,
-                                              ("speculators", "dspark"): _dflash_speculators, ("dflash", "dflash"): _dflash_zlab}
+                                              ("speculators", "dspark"): _dflash_speculators, ("dflash", "dflash"): _dflash_zlab,
+                                              ("speculators", "mtp"): _mtp_speculators}
 
 
 def check_exportable(family: str, fmt: str) -> None:
@@ -295,8 +329,9 @@ def export_draft(draft: str | Path, fmt: str, out: str | Path, verifier: str | N
         raise UserError(f"out={out}: would overwrite the draft it is exported from; choose another directory")
     target = load_export_target(identity, verifier, src)
     head = load_draft(src, target).eval()
-    if dtype is None:
-        dtype = next(n for n, t in DTYPES.items() if t == head.fc.weight.dtype)
+    if dtype is None:  # as trained: the dtype of the head's trainable weights
+        have = next(p.dtype for p in head.parameters() if p.requires_grad)
+        dtype = next(n for n, t in DTYPES.items() if t == have)
     cfg, state = EXPORTERS[(fmt, family)](head, target.config, _verifier_entry(verifier or identity.get("name_or_path")
                                                                                 or target.name_or_path, target), dtype)
     cfg["draftsmith"] = _own_config(head)
@@ -498,6 +533,50 @@ def _dflash_import(fmt: str, raw: dict, state: dict, target: Any) -> tuple[dict,
     return cfg | {"family": family, "tap_layers": taps, "expect": expect, "where": where}, state
 
 
+def _mtp_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
+    from models.target import default_tap_layers
+
+    where = "transformer_layer_config"
+    c = raw.get(where)
+    if not isinstance(c, dict):
+        raise UserError("config: missing field 'transformer_layer_config'")
+    if c.get("model_type") != "qwen3":
+        raise UserError(f"{where}.model_type={c.get('model_type')!r}: the MTP head here has a Qwen3 layer "
+                        f"(hybrid or MoE MTP layers, e.g. qwen3_next or qwen3_5, are not supported)")
+    if int(raw.get("num_nextn_predict_layers", 1)) != 1:
+        raise UserError(f"config.num_nextn_predict_layers={raw['num_nextn_predict_layers']}: speculators' MTP has one layer")
+    expect = _arch_expect(c, where)
+    n = int(_need(c, "num_hidden_layers", where))  # the hidden_states index the draft reads (see _mtp_speculators)
+    if our_layer_ids([n], "speculators", f"{where}.num_hidden_layers")[0] != target.num_layers - 1:
+        raise UserError(f"{where}.num_hidden_layers={n}: speculators' MTP reads hidden_states[{n}], but the MTP head here "
+                        f"reads the target's final-norm output, hidden_states[{target.num_layers}]")
+    V = int(_need(c, "vocab_size", where))
+    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    depths = int(methods[0].get("speculative_tokens") or 3)
+    inv = {v: k for k, v in MTP_NAMES.items()}
+
+    def rename(k: str) -> str:
+        if not k.startswith("mtp_layers.0."):
+            return k  # anything else is reported by check_import
+        part, _, rest = k.removeprefix("mtp_layers.0.").partition(".")
+        return f"layers.0.{inv[part]}.{rest}" if part in inv else f"layers.0.block.{k.removeprefix('mtp_layers.0.')}"
+
+    state = _rename_in({k: v for k, v in state.items() if not k.startswith(("verifier_", "t2d", "d2t", "embed_tokens", "lm_head"))},
+                       rename)
+    state["embed_tokens.weight"] = target.embed_tokens().weight.detach().float()  # speculators always uses the verifier's
+    state["lm_head.weight"] = target.lm_head().weight.detach().float()
+    own = raw.get("draftsmith") or {}
+    cfg = _base(own, "mtp", "models.heads.mtp.MTPHead")
+    args = cfg["init_args"]
+    if args.get("num_modules", depths) != depths:
+        args["loss_weights"] = None  # one weight per depth: the recorded ones were for another count
+    args.update(num_modules=depths, shared_module=True, qk_norm=True, chain_normed=True, rms_eps=expect["rms_norm_eps"])
+    taps = own.get("tap_layers") if own.get("family") == "mtp" else None  # unused by MTP; kept for a faithful round trip
+    taps = taps or default_tap_layers(target.num_layers, _class(cfg["class"]).tap_method)
+    expect["vocab_size"] = V
+    return cfg | {"family": "mtp", "tap_layers": taps, "expect": expect, "where": where}, state
+
+
 class _Named(dict):
     """A state dict in our names that remembers each tensor's name in the file (for error messages)."""
     file_names: dict[str, str]
@@ -531,10 +610,12 @@ def import_draft(path: str | Path, target: Any) -> tuple[dict, dict[str, torch.T
             cfg, state = _eagle3_import(fmt, raw, state, target)
         elif kind in ("dflash", "dspark"):
             cfg, state = _dflash_import(fmt, raw, state, target)
+        elif kind == "mtp":
+            cfg, state = _mtp_import(raw, state, target)
         else:
             why = CANNOT.get(("speculators", str(kind)))
             raise UserError(f"{path}: speculators_model_type={kind!r} cannot be imported"
-                            f"{f' ({why})' if why else ''}; importable: eagle3, dflash, dspark")
+                            f"{f' ({why})' if why else ''}; importable: eagle3, dflash, dspark, mtp")
     elif fmt == "sglang":
         cfg, state = _eagle3_import(fmt, raw, state, target)
     elif fmt == "dflash":

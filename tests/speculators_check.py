@@ -12,7 +12,9 @@ flex attention needs a compiler on CPU).
 Logits come from forward hooks and patched loss functions, so speculators' own forward code computes them:
 EAGLE-3 — every training-time-test step's ``lm_head`` output (``ttt_steps`` from the inputs, teacher-forced
 tokens, positions as given); DFlash/DSpark — the block logits at the given anchors (``select_anchors`` is
-patched to return them), DSpark with the Markov bias and the confidence logits.
+patched to return them), DSpark with the Markov bias and the confidence logits; MTP — the logits of every depth
+that ``MTPDraftModel.forward`` returns (teacher-forced, over its valid positions 0..T-K-2), from the verifier's
+last hidden state.
 """
 from __future__ import annotations
 
@@ -90,19 +92,28 @@ def run_block(model, x: dict, kind: str) -> dict:
     return got
 
 
+@torch.no_grad()
+def run_mtp(model, x: dict) -> dict:
+    ids = x["input_ids"]
+    logits, _, _ = model(input_ids=ids, hidden_states=x["last_hidden_states"], position_ids=torch.arange(ids.shape[1])[None])
+    return {"logits": torch.stack([t.detach().float() for t in logits])}  # [K, 1, T-K-1, V]
+
+
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     for case in job["cases"]:
         model = load(case)
         x = load_file(case["inputs"])
-        out = run_eagle3(model, x) if case["kind"] == "eagle3" else run_block(model, x, case["kind"])
+        kind = case["kind"]
+        out = run_eagle3(model, x) if kind == "eagle3" else run_mtp(model, x) if kind == "mtp" else run_block(model, x, kind)
         save_file({k: v.contiguous() for k, v in out.items()}, case["out"])
         c = model.config
         meta = {"class": type(model).__name__, "speculators_model_type": c.speculators_model_type,
-                "layer_ids": getattr(c, "eagle_aux_hidden_state_layer_ids", None) or getattr(c, "aux_hidden_state_layer_ids", None),
+                "layer_ids": getattr(c, "eagle_aux_hidden_state_layer_ids", None) or getattr(c, "aux_hidden_state_layer_ids", None)
+                or list(model.target_layer_ids),  # MTP: the hidden_states index it reads
                 "speculative_tokens": c.speculators_config.proposal_methods[0].speculative_tokens,
                 "verifier": c.speculators_config.verifier.name_or_path}
-        for k in ("draft_vocab_size", "block_size", "mask_token_id", "markov_rank", "sample_from_anchor"):
+        for k in ("draft_vocab_size", "block_size", "mask_token_id", "markov_rank", "sample_from_anchor", "num_nextn_predict_layers"):
             if hasattr(c, k):
                 meta[k] = getattr(c, k)
         Path(case["out"] + ".json").write_text(json.dumps(meta))

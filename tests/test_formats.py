@@ -2,7 +2,9 @@
 bad input, and the real client — the speculators library (its own venv) loads our exports and gives our logits.
 
 DFlash and DSpark exports need q/k-normed DFlash layers (every published DFlash layer has them); while the heads
-here cannot build them, the tests check that those exports are refused with that reason.
+here cannot build them, the tests check that those exports are refused with that reason. MTP is exported in the
+speculators layout (conf/draft/mtp_speculators.yaml: one shared Qwen3 module, normed chain); the default DeepSeek-V3
+layout is refused with the option to use.
 """
 from __future__ import annotations
 
@@ -31,13 +33,14 @@ from models.target import FrozenTarget, default_tap_layers
 LOGIT_ATOL = 1e-4  # speculators vs ours, fp32 on CPU (different attention kernels and RoPE code; measured ~2e-7)
 QK_NORM = "qk_norm" in inspect.signature(DFlashHead.__init__).parameters  # can the DFlash head hold a DFlash layer?
 SMALL = {"eagle3": {"ttt_steps": 3, "draft_vocab_size": 200}, "dflash": {"block_size": 4, "num_layers": 2},
-         "dspark": {"block_size": 4, "num_layers": 2, "markov_rank": 16}}
+         "dspark": {"block_size": 4, "num_layers": 2, "markov_rank": 16}, "mtp": {"num_modules": 3, "loss_weights": [1.0, 0.6, 0.36]}}
+CONFIG = {"mtp": "mtp_speculators"}  # the draft config each family is exported from (default: conf/draft/<family>.yaml)
 CASES = [("eagle3", "speculators"), ("eagle3", "sglang"), ("dflash", "speculators"), ("dflash", "dflash"),
-         ("dspark", "speculators")]
+         ("dspark", "speculators"), ("mtp", "speculators")]
 
 
 def exportable(family: str) -> bool:
-    return family == "eagle3" or QK_NORM
+    return family in ("eagle3", "mtp") or QK_NORM
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def target_dir(tmp_path_factory) -> Path:
 
 def make_head(family: str, target_dir: Path, seed: int = 0):
     """A head of ``family`` on the tiny target with every trainable weight random (zero-initialised parts too)."""
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "draft" / f"{family}.yaml"), SMALL[family])
+    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "draft" / f"{CONFIG.get(family, family)}.yaml"), SMALL[family])
     cls = hydra.utils.get_class(cfg._target_)
     target = FrozenTarget(str(target_dir))
     target.set_tap_layers(default_tap_layers(target.num_layers, cls.tap_method))
@@ -71,14 +74,17 @@ ANCHORS = torch.tensor([2, 9, 15])
 
 @torch.no_grad()
 def our_logits(head, target, b: dict) -> dict[str, torch.Tensor]:
-    """EAGLE-3: every training-time-test step's logits [K, 1, T, Vd]; DFlash/DSpark: block logits at ANCHORS."""
+    """EAGLE-3: every training-time-test step's logits [K, 1, T, Vd]; DFlash/DSpark: block logits at ANCHORS;
+    MTP: every depth's logits [K, 1, T-K-1, V] (the positions whose inputs all lie inside the sequence, as speculators)."""
     ids = b["input_ids"]
     feats = target(ids, return_logits=True)
-    if head.family == "eagle3":
+    if head.family in ("eagle3", "mtp"):
         steps = []
         hook = head.lm_head.register_forward_hook(lambda m, i, o: steps.append(o.detach()))
         head.training_loss(b, feats)
         hook.remove()
+        if head.family == "mtp":
+            return {"logits": torch.stack(steps)[:, :, : ids.shape[1] - head.num_steps - 1]}
         return {"logits": torch.stack(steps)}
     ok = torch.ones(1, ANCHORS.numel(), dtype=torch.bool)
     h = head.block_hidden(ids, ANCHORS[None], ok, feats.tap_states)  # [1, N, blk, d]
@@ -115,6 +121,9 @@ def test_layer_id_conversion_is_the_one_engines_use(target_dir):
         h.remove()
     for n, (s, o) in enumerate(zip(engine_layer_ids(taps, "speculators"), engine_layer_ids(taps, "sglang"))):
         assert torch.equal(mine[:, :, n], hs[s]) and torch.equal(mine[:, :, n], outs[o])
+    # speculators' MTP reads hidden_states[num_hidden_layers]: the final-norm output, our last_state
+    L = target.num_layers
+    assert engine_layer_ids([L - 1], "speculators") == [L] and torch.equal(target(ids).last_state, hs[L])
 
 
 # -- round trips ----------------------------------------------------------------------------------
@@ -177,22 +186,36 @@ def test_formats_that_cannot_hold_a_family_say_so():
         formats.check_exportable("dspark", "sglang")
     with pytest.raises(UserError, match=r"cannot hold a medusa draft; no serving format holds it \(speculators: eagle3"):
         formats.check_exportable("medusa", "speculators")
-    with pytest.raises(UserError, match="MTP model is one Qwen3 layer"):
-        formats.check_exportable("mtp", "speculators")
+    formats.check_exportable("mtp", "speculators")  # the layout is checked on the head (test below)
     with pytest.raises(UserError, match="use one of speculators, sglang, dflash"):
         formats.check_exportable("eagle3", "onnx")
 
 
-@pytest.mark.parametrize("family,match", [("mtp", "MTP model is one Qwen3 layer"), ("medusa", "no serving format holds it")])
-def test_drafts_no_format_holds_are_refused_whole(family, match, target_dir, tmp_path):
-    cfg = OmegaConf.load(ROOT / "conf" / "draft" / f"{family}.yaml")
+def test_drafts_no_format_holds_are_refused_whole(target_dir, tmp_path):
+    cfg = OmegaConf.load(ROOT / "conf" / "draft" / "medusa.yaml")
     target = FrozenTarget(str(target_dir))
     hydra.utils.instantiate(cfg, target=target, _convert_="all").export(tmp_path / "draft")
     for fmt in formats.FORMATS:
-        with pytest.raises(UserError, match=f"format={fmt} cannot hold a {family} draft"):
+        with pytest.raises(UserError, match=f"format={fmt} cannot hold a medusa draft; no serving format holds it"):
             export_draft(tmp_path / "draft", fmt, tmp_path / "out")
-    with pytest.raises(UserError, match=match):
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
+
+
+@pytest.mark.parametrize("over,differs", [({}, "3 modules (shared_module), no q/k norms (qk_norm), pre-norm states handed on"),
+                                          ({"shared_module": True, "qk_norm": True}, "pre-norm states handed on (chain_normed)"),
+                                          ({"num_modules": 1, "chain_normed": True}, "no q/k norms (qk_norm);")])
+def test_mtp_layouts_speculators_cannot_hold_are_refused_with_the_option(over, differs, target_dir, tmp_path):
+    """The DeepSeek-V3 layout (conf/draft/mtp.yaml), or any mix: one line naming what differs and the config to use."""
+    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "draft" / "mtp.yaml"), over)
+    hydra.utils.instantiate(cfg, target=FrozenTarget(str(target_dir)), _convert_="all").export(tmp_path / "draft")
+    with pytest.raises(UserError) as e:
         export_draft(tmp_path / "draft", "speculators", tmp_path / "out")
+    msg = str(e.value)
+    assert msg.startswith("format=speculators cannot hold this mtp draft: speculators' MTP is one Qwen3 layer reused")
+    assert differs in msg and msg.endswith("train it with draft=mtp_speculators") and "\n" not in msg
+    for fmt in ("sglang", "dflash"):
+        with pytest.raises(UserError, match=f"format={fmt} cannot hold a mtp draft; formats that can: speculators"):
+            export_draft(tmp_path / "draft", fmt, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
 
 
@@ -238,10 +261,45 @@ def test_import_that_does_not_match_names_the_field(target_dir, tmp_path):
         load_draft(edited(lambda c: c.update(norm_before_residual=True)), t)
     with pytest.raises(UserError, match=r"rope_type 'yarn' is not supported"):
         load_draft(edited(lambda c: c["transformer_layer_config"].update(rope_parameters={"rope_type": "yarn", "factor": 4.0})), t)
-    with pytest.raises(UserError, match=r"speculators_model_type='mtp' cannot be imported"):
-        load_draft(edited(lambda c: c.update(speculators_model_type="mtp")), t)
+    with pytest.raises(UserError, match=r"speculators_model_type='peagle' cannot be imported"):
+        load_draft(edited(lambda c: c.update(speculators_model_type="peagle")), t)
     with pytest.raises(UserError, match="id 0 is the embedding output"):
         load_draft(edited(lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 3])), t)
+
+
+def test_mtp_import_that_does_not_match_names_the_field(target_dir, tmp_path):
+    _, head = make_head("mtp", target_dir)
+    head.export(tmp_path / "draft")
+    out = export_draft(tmp_path / "draft", "speculators", tmp_path / "spec")
+    c = json.loads((out / "config.json").read_text())
+    assert c["speculators_model_type"] == "mtp" and c["architectures"] == ["MTPDraftModel"]
+    assert c["num_nextn_predict_layers"] == 1 and c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert c["transformer_layer_config"]["model_type"] == "qwen3" and c["transformer_layer_config"]["num_hidden_layers"] == 6
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {"mtp_layers.0.input_proj.weight", "mtp_layers.0.token_layernorm.weight", "mtp_layers.0.hidden_layernorm.weight",
+            "mtp_layers.0.final_layernorm.weight", "mtp_layers.0.self_attn.q_norm.weight", "mtp_layers.0.input_layernorm.weight",
+            "mtp_layers.0.mlp.down_proj.weight"} <= names
+    assert all(n.startswith("mtp_layers.0.") for n in names)  # embedding and head: speculators loads the verifier's
+    good = json.dumps(c)
+
+    def edited(fn):
+        x = json.loads(good)
+        fn(x)
+        (out / "config.json").write_text(json.dumps(x))
+        return out
+
+    t = FrozenTarget(str(target_dir))
+    with pytest.raises(UserError, match=r"num_hidden_layers=4: speculators' MTP reads hidden_states\[4\], .*hidden_states\[6\]"):
+        load_draft(edited(lambda x: x["transformer_layer_config"].update(num_hidden_layers=4)), t)
+    with pytest.raises(UserError, match=r"model_type='qwen3_next': the MTP head here has a Qwen3 layer"):
+        load_draft(edited(lambda x: x["transformer_layer_config"].update(model_type="qwen3_next")), t)
+    with pytest.raises(UserError, match=r"transformer_layer_config.intermediate_size=48, but the mtp head built on this target has 64"):
+        load_draft(edited(lambda x: x["transformer_layer_config"].update(intermediate_size=48)), t)
+    # a serving setting that changes the depth count: the recorded per-depth loss weights are dropped, not misapplied
+    back = load_draft(edited(lambda x: x["speculators_config"]["proposal_methods"][0].update(speculative_tokens=5)), t)
+    assert back.num_steps == 5 and len(back.layers) == 1 and len(back.loss_weights) == 5
 
 
 def test_cli_exports_a_run_dir_and_refuses_in_one_line(target_dir, tmp_path):
@@ -320,7 +378,7 @@ def speculators_results(target_dir, tmp_path_factory):
         if family == "eagle3":  # speculators feeds step 0 the next token (ours shifts inside the head)
             x.update(input_ids=shift_left(ids, 1), position_ids=torch.arange(ids.shape[1])[None],
                      ttt_steps=torch.tensor(head.ttt_steps))
-        else:
+        elif family != "mtp":
             x["anchors"] = ANCHORS
         save_file({k: v.contiguous() for k, v in x.items()}, str(work / f"{name}.in.safetensors"))
         case = {"name": name, "kind": family, "dir": str(out), "inputs": str(work / f"{name}.in.safetensors"),
@@ -329,11 +387,15 @@ def speculators_results(target_dir, tmp_path_factory):
             case["convert"] = family
             case["layer_ids"] = engine_layer_ids(head.tap_layers, "speculators")
         cases.append(case)
-        expected[name] = (our_logits(head, target, b), {
-            "layer_ids": engine_layer_ids(head.tap_layers, "speculators"), "class": {"eagle3": "Eagle3DraftModel",
-            "dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}[family],
-            **({"block_size": head.block_size, "mask_token_id": head.mask_token_id} if family != "eagle3" else
-               {"draft_vocab_size": head.draft_vocab_size})})
+        if family == "mtp":  # reads the last layer's output; one shared layer; K depths
+            meta = {"layer_ids": engine_layer_ids([target.num_layers - 1], "speculators"), "class": "MTPDraftModel",
+                    "num_nextn_predict_layers": 1, "speculative_tokens": head.num_steps}
+        else:
+            meta = {"layer_ids": engine_layer_ids(head.tap_layers, "speculators"), "class": {"eagle3": "Eagle3DraftModel",
+                    "dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}[family],
+                    **({"block_size": head.block_size, "mask_token_id": head.mask_token_id} if family != "eagle3" else
+                       {"draft_vocab_size": head.draft_vocab_size})}
+        expected[name] = (our_logits(head, target, b), meta)
     (work / "job.json").write_text(json.dumps({"cases": cases}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     t0 = time.time()

@@ -1,7 +1,9 @@
-"""MTP specifics: label alignment, frozen shared parts, the per-module inference caches, reuse_last_module."""
+"""MTP specifics: label alignment, frozen shared parts, the per-module inference caches, reuse_last_module; both
+layouts (DeepSeek-V3: conf/draft/mtp.yaml; speculators/vLLM: conf/draft/mtp_speculators.yaml)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -16,10 +18,13 @@ from test_decoder import plain_greedy
 from test_heads import batch, make_head
 
 CFG = ROOT / "conf" / "draft" / "mtp.yaml"
+SPEC = ROOT / "conf" / "draft" / "mtp_speculators.yaml"
+LAYOUTS = pytest.mark.parametrize("cfg", [CFG, SPEC], ids=lambda p: p.stem)
 
 
-def test_shapes_gradients_and_label_alignment():
-    target, head = make_head(CFG, num_modules=3)
+@LAYOUTS
+def test_shapes_gradients_and_label_alignment(cfg):
+    target, head = make_head(cfg, num_modules=3)
     assert head.num_steps == 3 and head.loss_weights == pytest.approx([1.0, 0.8, 0.64])
     b = batch(B=1, T=12)
     b["loss_mask"].zero_()
@@ -29,7 +34,7 @@ def test_shapes_gradients_and_label_alignment():
     assert out.loss.ndim == 0 and out.correct.shape == out.total.shape == (3,)
     assert out.total.tolist() == [1, 1, 1]  # module k (1-based) predicts token t+k+1: positions 7, 6, 5
     out.loss.backward()
-    for m in head.layers:  # every module learns (module k feeds every deeper one)
+    for m in head.layers:  # every module learns (module k feeds every deeper one; a shared one learns from all)
         assert m.eh_proj.weight.grad.abs().sum() > 0 and m.block.mlp.down_proj.weight.grad.abs().sum() > 0
     # position 5 feeds only module 3's scored position; 7 only module 1's (causal: later positions see it too)
     feats.last_state[0, 8] += 100.0
@@ -49,8 +54,9 @@ def test_loss_weights_and_bad_arguments():
         MTPHead(target, num_modules=0)
 
 
-def test_frozen_embedding_and_head_stay_frozen():
-    target, head = make_head(CFG)
+@LAYOUTS
+def test_frozen_embedding_and_head_stay_frozen(cfg):
+    target, head = make_head(cfg)
     assert torch.equal(head.embed_tokens.weight, target.embed_tokens().weight)
     assert torch.equal(head.lm_head.weight, target.lm_head().weight)
     frozen = {"embed_tokens.weight", "lm_head.weight"}
@@ -75,15 +81,16 @@ def teacher_forced_tokens(head, target, ids: torch.Tensor, at: int) -> list[int]
     cos, sin = head.rotary(torch.arange(T)[None])
     out = []
     with torch.no_grad():
-        for j, m in enumerate(head.layers):
-            h, _, _ = m(h, head.embed_tokens(shift_left(ids[None], 1 + j)), cos, sin)
-            out.append(int(head.lm_head(m.norm(h[0, at])).argmax()))
+        for j in range(head.num_steps):
+            h, _, _ = head.module(j + 1)(h, head.embed_tokens(shift_left(ids[None], 1 + j)), cos, sin)
+            out.append(int(head.logits(j + 1, h[0, at]).argmax()))
     return out
 
 
-def test_inference_chain_equals_the_training_forward():
+@LAYOUTS
+def test_inference_chain_equals_the_training_forward(cfg):
     """Decoding's chain is the teacher-forced forward with the drafts as the following tokens."""
-    target, head = make_head(CFG, num_modules=3)
+    target, head = make_head(cfg, num_modules=3)
     prompt = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(3))
     head.start(prompt, target(prompt[None]))
     drafts = head.propose(17, 3, Sampler()).tokens.tolist()
@@ -91,11 +98,12 @@ def test_inference_chain_equals_the_training_forward():
     assert teacher_forced_tokens(head, target, seq, at=prompt.numel() - 1) == drafts
 
 
+@LAYOUTS
 @pytest.mark.parametrize("reuse,k", [(False, 3), (False, 5), (True, 5)])
-def test_inference_cache_equals_full_recompute(reuse, k):
+def test_inference_cache_equals_full_recompute(reuse, k, cfg):
     """After any sequence of rounds, propose gives what a fresh start over the whole sequence gives, and every
-    module's cache holds exactly the fresh start's keys/values (accepted positions only)."""
-    target, head = make_head(CFG, num_modules=3, reuse_last_module=reuse)
+    depth's cache holds exactly the fresh start's keys/values (accepted positions only)."""
+    target, head = make_head(cfg, num_modules=3, reuse_last_module=reuse)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (2,), generator=g)  # shorter than D: early depths have no known position yet
     head.start(ids, target(ids[None]))
@@ -123,8 +131,9 @@ def _tail(target, ids, n):
     return TargetOutput(tap_states=out.tap_states[:, -n:], last_state=out.last_state[:, -n:])
 
 
-def test_reuse_last_module_decodes_losslessly_and_longer():
-    target, head = make_head(CFG, num_modules=2)
+@LAYOUTS
+def test_reuse_last_module_decodes_losslessly_and_longer(cfg):
+    target, head = make_head(cfg, num_modules=2)
     prompt = torch.randint(0, 128, (7,), generator=torch.Generator().manual_seed(5))
     head.start(prompt, target(prompt[None]))
     assert head.propose(4, 5, Sampler()).tokens.numel() == 2  # off by default: at most D tokens
@@ -139,3 +148,56 @@ def test_reuse_last_module_decodes_losslessly_and_longer():
     out, _ = dec.generate(prompt, head, k=5, max_new_tokens=16,
                           sampler=Sampler(1.0, generator=torch.Generator().manual_seed(0)))
     assert len(out) == 16
+
+
+def test_the_two_layouts():
+    """DeepSeek-V3 (default): D Llama-style modules, pre-norm chain. speculators: one Qwen3-style module at every
+    depth, each depth fed the previous one's final-norm output (what the head reads)."""
+    _, ds = make_head(CFG, num_modules=3)
+    target, sp = make_head(SPEC, num_modules=3)
+    assert len(ds.layers) == 3 and len(sp.layers) == 1 and ds.num_steps == sp.num_steps == 3
+    assert all(sp.module(j) is sp.layers[0] for j in (1, 2, 3, 7))
+    assert not hasattr(ds.layers[0].block.self_attn, "q_norm") and sp.layers[0].block.self_attn.q_norm.weight.shape == (8,)
+    assert {n.split(".", 2)[2] for n in sp.state_dict() if n.startswith("layers.0.")} - \
+        {n.split(".", 2)[2] for n in ds.state_dict() if n.startswith("layers.0.")} == \
+        {"block.self_attn.q_norm.weight", "block.self_attn.k_norm.weight"}
+    b = batch(B=1, T=12)
+    h0 = target(b["input_ids"]).last_state
+    cos, sin = sp.rotary(torch.arange(12)[None])
+    emb = sp.embed_tokens(b["input_ids"])
+    with torch.no_grad():
+        m = sp.layers[0]
+        out, _, _ = m(h0, emb, cos, sin)
+        m.norm_output = False  # the same block without the final norm: the pre-norm state
+        pre, _, _ = m(h0, emb, cos, sin)
+        m.norm_output = True
+        assert torch.allclose(out, m.norm(pre)) and torch.equal(m.head_input(out), out)
+        assert torch.equal(sp.logits(2, out), sp.lm_head(out))
+        pre_ds, _, _ = ds.layers[0](h0, emb, cos, sin)
+        assert torch.equal(ds.logits(1, pre_ds), ds.lm_head(ds.layers[0].norm(pre_ds)))
+
+
+def test_exports_from_before_the_layout_options_load_unchanged(tmp_path):
+    """A default MTP draft exported before shared_module/qk_norm/chain_normed existed (init_args without them) loads
+    as the same DeepSeek-V3 head: same parameter names, same loss."""
+    from models.heads import load_draft
+
+    target, head = make_head(CFG, num_modules=2)
+    names = [n for n in head.state_dict() if n.startswith("layers.0.")]
+    assert names == ["layers.0.enorm.weight", "layers.0.hnorm.weight", "layers.0.eh_proj.weight",
+                     "layers.0.block.input_layernorm.weight", "layers.0.block.self_attn.q_proj.weight",
+                     "layers.0.block.self_attn.k_proj.weight", "layers.0.block.self_attn.v_proj.weight",
+                     "layers.0.block.self_attn.o_proj.weight", "layers.0.block.post_attention_layernorm.weight",
+                     "layers.0.block.mlp.gate_proj.weight", "layers.0.block.mlp.up_proj.weight",
+                     "layers.0.block.mlp.down_proj.weight", "layers.0.norm.weight"]
+    head.export(tmp_path / "draft")
+    p = tmp_path / "draft" / "config.json"
+    cfg = json.loads(p.read_text())
+    for k in ("shared_module", "qk_norm", "chain_normed"):
+        assert cfg["init_args"].pop(k) is False
+    p.write_text(json.dumps(cfg))
+    back = load_draft(tmp_path / "draft", target)
+    assert len(back.layers) == 2 and not back.layers[0].norm_output
+    b = batch()
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
+    assert torch.equal(head.training_loss(b, feats).loss, back.training_loss(b, feats).loss)

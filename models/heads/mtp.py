@@ -32,6 +32,18 @@ the drafts). Only positions whose inputs are all known (committed or the pending
 cache; the drafted positions are recomputed every round, so nothing speculative needs to be cropped.
 ``reuse_last_module``: propose more than D tokens by applying the last module at deeper depths (untrained
 extrapolation, each extra depth with its own cache); off by default.
+
+Two layouts, one class (the defaults are DeepSeek-V3's; ``conf/draft/mtp_speculators.yaml`` sets the other):
+
+    option           DeepSeek-V3 (default)               speculators 0.9.0 / vLLM (Qwen3-Next-style MTP)
+    shared_module    D modules, module k at depth k      one module applied at all D depths
+    qk_norm          Llama block                         Qwen3 block: per-head RMSNorm of q and k before RoPE
+    chain_normed     next depth reads the pre-norm h^k   next depth reads norm_k(h^k), the state the head reads
+
+Both concatenate ``[enorm(emb); hnorm(h)]``, start from the target's final-norm output, use the target's frozen
+embedding and head, and keep each depth's own causal chain over the sequence (one KV cache per depth, also when
+the weights are shared). Names map one to one: enorm/hnorm/eh_proj/norm = token_layernorm/hidden_layernorm/
+input_proj/final_layernorm (:mod:`models.formats`).
 """
 from __future__ import annotations
 
@@ -43,26 +55,32 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.layers import DecoderLayer, RMSNorm, Rotary, shift_left, soft_cross_entropy
+from models.layers import Attention, DecoderLayer, RMSNorm, Rotary, shift_left, soft_cross_entropy
 from models.target import rope_theta
 
 
 class MTPModule(nn.Module):
-    """One MTP depth: ``eh_proj([enorm(emb); hnorm(h_prev)])`` → one pre-norm decoder block; ``norm`` feeds the head."""
+    """One MTP depth: ``eh_proj([enorm(emb); hnorm(h_prev)])`` → one pre-norm decoder block; ``norm`` feeds the head
+    (and, with ``norm_output``, also the next depth: the module then returns its normed output)."""
 
-    def __init__(self, d: int, n_heads: int, n_kv: int, head_dim: int, d_ff: int, eps: float):
+    def __init__(self, d: int, n_heads: int, n_kv: int, head_dim: int, d_ff: int, eps: float,
+                 qk_norm: bool = False, norm_output: bool = False):
         super().__init__()
         self.enorm = RMSNorm(d, eps)          # on the embedding of token t+k
         self.hnorm = RMSNorm(d, eps)          # on the previous depth's hidden state at t
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
         self.block = DecoderLayer(d, n_heads, n_kv, d_ff, head_dim, eps)
+        if qk_norm:  # a Qwen3 block: the same layer with per-head q/k RMSNorm in its attention
+            self.block.self_attn = Attention(d, n_heads, n_kv, head_dim, qk_norm=True, eps=eps)
         self.norm = RMSNorm(d, eps)           # before the frozen output head
+        self.norm_output = norm_output
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h_prev, emb [B, m, d] at m consecutive positions; past (k, v) [B, H, P, hd] of the P positions before
         them (None: training, plain causal over the m positions).
-        Returns the pre-norm output [B, m, d] (handed to the next depth) and these positions' k, v [B, H, m, hd]."""
+        Returns the output [B, m, d] handed to the next depth (pre-norm, or normed with ``norm_output``) and these
+        positions' k, v [B, H, m, hd]."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))  # [B, m, d]
         blk = self.block
         q, k, v = blk.self_attn.qkv(blk.input_layernorm(x), cos, sin)
@@ -73,17 +91,27 @@ class MTPModule(nn.Module):
             mask = torch.ones(m, P + m, dtype=torch.bool, device=q.device).tril(P)  # causal, after all past keys
             o = F.scaled_dot_product_attention(q, torch.cat([past[0], k], 2), torch.cat([past[1], v], 2), attn_mask=mask)
         x = x + blk.self_attn.out(o)
-        return x + blk.mlp(blk.post_attention_layernorm(x)), k, v
+        x = x + blk.mlp(blk.post_attention_layernorm(x))
+        return (self.norm(x) if self.norm_output else x), k, v
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """This module's output → what the output head reads (its final norm, unless already applied)."""
+        return h if self.norm_output else self.norm(h)
 
 
 class MTPHead(DraftHead):
+    """``num_modules`` depths D; ``shared_module``: one module at every depth; ``qk_norm``: Qwen3 blocks;
+    ``chain_normed``: each depth hands on its final-norm output (see the layouts table above)."""
+
     family = "mtp"
     needs_teacher_logits = True  # accuracy against the target's own top-1 (and soft targets)
 
     def __init__(self, target: Any, num_modules: int = 3, loss_weights: list[float] | None = None, soft: bool = False,
-                 reuse_last_module: bool = False, rms_eps: float = 1e-6):
+                 reuse_last_module: bool = False, rms_eps: float = 1e-6, shared_module: bool = False,
+                 qk_norm: bool = False, chain_normed: bool = False):
         super().__init__(target, num_modules=num_modules, loss_weights=loss_weights, soft=soft,
-                         reuse_last_module=reuse_last_module, rms_eps=rms_eps)
+                         reuse_last_module=reuse_last_module, rms_eps=rms_eps, shared_module=shared_module,
+                         qk_norm=qk_norm, chain_normed=chain_normed)
         if num_modules < 1:
             raise UserError(f"draft.num_modules={num_modules}: must be >= 1")
         weights = [0.8 ** k for k in range(num_modules)] if loss_weights is None else [float(w) for w in loss_weights]
@@ -97,8 +125,9 @@ class MTPHead(DraftHead):
         head_dim = getattr(tc, "head_dim", None) or d // n_heads
         theta = rope_theta(tc)
         self.loss_weights, self.soft, self.reuse_last_module = weights, soft, reuse_last_module
-        self.layers = nn.ModuleList([MTPModule(d, n_heads, n_kv, head_dim, tc.intermediate_size, rms_eps)
-                                     for _ in range(num_modules)])
+        self.depths = num_modules  # D: depths trained and proposed (with shared_module, all by one module)
+        self.layers = nn.ModuleList([MTPModule(d, n_heads, n_kv, head_dim, tc.intermediate_size, rms_eps, qk_norm, chain_normed)
+                                     for _ in range(1 if shared_module else num_modules)])
         self.rotary = Rotary(head_dim, theta)
         final_norm = getattr(getattr(target.model, "model", None), "norm", None)  # the target's final norm, if found
         if final_norm is not None and getattr(final_norm, "weight", None) is not None and final_norm.weight.shape == (d,):
@@ -113,10 +142,11 @@ class MTPHead(DraftHead):
 
     @property
     def num_steps(self) -> int:
-        return len(self.layers)
+        return self.depths
 
     def module(self, depth: int) -> MTPModule:
-        """Weights used at depth ``depth`` (1-based): module ``depth``, or the last one beyond D."""
+        """Weights used at depth ``depth`` (1-based): module ``depth``, or the last one beyond D (the only one
+        with ``shared_module``)."""
         return self.layers[min(depth, len(self.layers)) - 1]
 
     @property
@@ -125,7 +155,7 @@ class MTPHead(DraftHead):
 
     def logits(self, depth: int, h: torch.Tensor) -> torch.Tensor:
         """Depth-``depth`` output [..., d] → logits [..., V] through the module's norm and the frozen head."""
-        return self.lm_head(self.module(depth).norm(h))
+        return self.lm_head(self.module(depth).head_input(h))
 
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
@@ -137,9 +167,9 @@ class MTPHead(DraftHead):
         h = feats.last_state.to(self.eh_dtype)  # [B, T, d] depth 0
         loss = h.new_zeros(())
         correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
-        for j, module in enumerate(self.layers):  # depth j+1: position t reads token t+1+j, predicts t+2+j
-            h, _, _ = module(h, self.embed_tokens(shift_left(ids, 1 + j)), cos, sin)  # [B, T, d]
-            logits = self.lm_head(module.norm(h))  # [B, T, V]
+        for j in range(K):  # depth j+1: position t reads token t+1+j, predicts t+2+j
+            h, _, _ = self.module(j + 1)(h, self.embed_tokens(shift_left(ids, 1 + j)), cos, sin)  # [B, T, d]
+            logits = self.logits(j + 1, h)  # [B, T, V]
             w = (shift_left(loss_mask, 2 + j) * shift_left(valid, 2 + j)).float()  # [B, T]
             if self.soft:
                 p = torch.softmax(shift_left(feats.logits, 1 + j).float(), -1)
