@@ -14,29 +14,19 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.errors import UserError, cli
+from data.errors import cli
 
 
 def run(cfg: DictConfig) -> dict:
-    from eval.run import build_drafter, evaluate, write_report
+    from eval.run import build_drafter, build_sets, evaluate, protocol_of, write_report
     from models.target import load_tokenizer
     from train.build import instantiate
 
     target = instantiate(cfg.target)
     tok = load_tokenizer(cfg.target.name_or_path)
     drafters = {name: build_drafter(node, target) for name, node in (cfg.drafters or {}).items() if node is not None}
-    sets = []
-    for name, node in (cfg.eval_set or {}).items():
-        pset = instantiate(node)
-        if cfg.limit and not node.get("limit"):
-            pset.limit = cfg.limit
-        sets.append(pset)
-    if not sets:
-        raise UserError("eval_set is empty: choose at least one of mtbench, humaneval, sharegpt, jsonl")
-    protocol = {"target": str(cfg.target.name_or_path), "template": f"{type(tok).__name__}.chat_template",
-                "temperatures": list(cfg.temperatures), "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                "k": cfg.k, "limit": cfg.limit, "drafters": list(drafters), "seed": cfg.seed}
-    print("protocol: " + ", ".join(f"{k}={v}" for k, v in protocol.items()))
+    sets = build_sets(cfg)
+    protocol = protocol_of(cfg, tok, drafters)
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed)
     table = write_report(results, protocol, Path(cfg.out_dir))
     print(table)

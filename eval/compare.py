@@ -3,7 +3,7 @@ side by side through the one decoder, beside plain decoding and the baselines (n
 
     python -m eval.compare                                     # train (or resume) all families, then evaluate
     python -m eval.compare train=false limit=5                 # evaluate what is already under run_dir
-    python -m eval.compare "families={eagle3:[draft=eagle3],dflash:[draft=dflash,draft.block_size=16]}"
+    python -m eval.compare "+families.dflash16=['draft=dflash','draft.block_size=16']" families.mtp=null   # add, remove
     python -m eval.compare "train_overrides=[trainer.max_steps=20]" run_dir=runs/compare-smoke
 
 Each family trains in its own ``python -m train`` process into ``<run_dir>/<family>`` with ``ckpt_path=last``,
@@ -63,7 +63,7 @@ def summary_table(results: dict, trained: dict, protocol: dict) -> str:
 
 
 def run(cfg: DictConfig) -> dict:
-    from eval.run import build_drafter, evaluate, load_head, write_report
+    from eval.run import build_drafter, build_sets, evaluate, load_head, protocol_of, write_report
     from models.target import load_tokenizer
     from train.build import instantiate
 
@@ -84,16 +84,8 @@ def run(cfg: DictConfig) -> dict:
     drafters = {name: build_drafter(node, target) for name, node in (cfg.baselines or {}).items() if node is not None}
     for name, tr in trained.items():
         drafters[name] = load_head(tr["export"], target)
-    sets = []
-    for node in (cfg.eval_set or {}).values():
-        pset = instantiate(node)
-        pset.limit = cfg.limit
-        sets.append(pset)
-    protocol = {"target": str(cfg.target.name_or_path), "template": f"{type(tok).__name__}.chat_template",
-                "temperatures": list(cfg.temperatures), "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                "k": cfg.k, "limit": cfg.limit, "drafters": list(drafters), "seed": cfg.seed,
-                "train_overrides": list(cfg.train_overrides), "families": families}
-    print("protocol: " + ", ".join(f"{k}={v}" for k, v in protocol.items()), flush=True)
+    sets = build_sets(cfg)
+    protocol = protocol_of(cfg, tok, drafters, train_overrides=list(cfg.train_overrides), families=families)
     t = time.time()
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed)
     out = run_dir / "eval"

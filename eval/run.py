@@ -115,6 +115,30 @@ def load_model_drafter(path: str, target: Any = None, dtype: str = "float32") ->
     return ModelDrafter(model)
 
 
+def build_sets(cfg: Any) -> list[Any]:
+    """The prompt sets of an eval-style config (``eval_set`` group), each capped at ``cfg.limit``."""
+    from train.build import instantiate
+
+    sets = []
+    for node in (cfg.eval_set or {}).values():
+        pset = instantiate(node)
+        if cfg.limit and not node.get("limit"):
+            pset.limit = cfg.limit
+        sets.append(pset)
+    if not sets:
+        raise UserError("eval_set is empty: choose at least one of mtbench, humaneval, sharegpt, jsonl")
+    return sets
+
+
+def protocol_of(cfg: Any, tokenizer: Any, drafters: dict[str, Any], **extra: Any) -> dict:
+    """The evaluation protocol printed with every table (and stored in results.json)."""
+    protocol = {"target": str(cfg.target.name_or_path), "template": f"{type(tokenizer).__name__}.chat_template",
+                "temperatures": list(cfg.temperatures), "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+                "k": cfg.k, "limit": cfg.limit, "drafters": list(drafters), "seed": cfg.seed, **extra}
+    print("protocol: " + ", ".join(f"{k}={v}" for k, v in protocol.items()), flush=True)
+    return protocol
+
+
 def encode_prompt(tokenizer: Any, messages: list[dict]) -> torch.Tensor:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
