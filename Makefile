@@ -28,10 +28,19 @@ test: $(STAMP)
 target: $(STAMP)
 	$(BIN)/python -m train.embedded_target ckpt_path=last
 
-# Our exports loaded by the speculators library (vLLM's format) in its own venv .venv-speculators (built by the
-# test if missing: torch==2.13.0 speculators==0.9.0, about a minute), logits compared with ours.
+# Our exports loaded by the speculators library (vLLM's format) in its own venv .venv-speculators (built if missing:
+# torch==2.13.0 speculators==0.9.0, about a minute), logits compared with ours. Plain: the tests (tiny random targets).
+# DRAFTS="runs/a runs/b/draft": those trained drafts on their own targets (python -m eval.check_export; writes
+# runs/check-speculators/result.json; exit 2 when a draft cannot be exported, 1 when a check fails).
+comma := ,
+empty :=
+space := $(empty) $(empty)
 check-speculators: $(STAMP)
+ifeq ($(strip $(DRAFTS)),)
 	$(BIN)/python -m pytest tests/test_formats.py -k "speculators_library or round_trip" -s
+else
+	$(BIN)/python -m eval.check_export "drafts=[$(subst $(space),$(comma),$(strip $(DRAFTS)))]"
+endif
 
 clean:
 	rm -rf $(VENV) runs outputs multirun

@@ -1,8 +1,9 @@
 """Serving formats (models/formats.py, python -m train.export): layer-id conventions, export → import round trips,
 bad input, and the real client — the speculators library (its own venv) loads our exports and gives our logits.
 
-DFlash and DSpark exports need q/k-normed DFlash layers (every published DFlash layer has them); while the heads
-here cannot build them, the tests check that those exports are refused with that reason. MTP is exported in the
+DFlash and DSpark exports need q/k-normed DFlash layers (every published DFlash layer has them; conf/draft/dflash.yaml
+and dspark.yaml build them). The speculators cases are built by eval/check_export.py, the same functions that
+``python -m eval.check_export`` runs on real drafts on their real targets. MTP is exported in the
 speculators layout (conf/draft/mtp_speculators.yaml: one shared Qwen3 module, normed chain); the default DeepSeek-V3
 layout is refused with the option to use.
 """
@@ -23,11 +24,11 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, tiny_model, write_tiny_target
 from data.errors import UserError
+from eval import check_export
 from models import formats
 from models.formats import engine_layer_ids, export_draft, our_layer_ids
 from models.heads import load_draft
 from models.heads.dflash import DFlashHead
-from models.layers import shift_left
 from models.target import FrozenTarget, default_tap_layers
 
 LOGIT_ATOL = 1e-4  # speculators vs ours, fp32 on CPU (different attention kernels and RoPE code; measured ~2e-7)
@@ -72,27 +73,8 @@ def batch(V: int, T: int = 24, seed: int = 3) -> dict:
 ANCHORS = torch.tensor([2, 9, 15])
 
 
-@torch.no_grad()
 def our_logits(head, target, b: dict) -> dict[str, torch.Tensor]:
-    """EAGLE-3: every training-time-test step's logits [K, 1, T, Vd]; DFlash/DSpark: block logits at ANCHORS;
-    MTP: every depth's logits [K, 1, T-K-1, V] (the positions whose inputs all lie inside the sequence, as speculators)."""
-    ids = b["input_ids"]
-    feats = target(ids, return_logits=True)
-    if head.family in ("eagle3", "mtp"):
-        steps = []
-        hook = head.lm_head.register_forward_hook(lambda m, i, o: steps.append(o.detach()))
-        head.training_loss(b, feats)
-        hook.remove()
-        if head.family == "mtp":
-            return {"logits": torch.stack(steps)[:, :, : ids.shape[1] - head.num_steps - 1]}
-        return {"logits": torch.stack(steps)}
-    ok = torch.ones(1, ANCHORS.numel(), dtype=torch.bool)
-    h = head.block_hidden(ids, ANCHORS[None], ok, feats.tap_states)  # [1, N, blk, d]
-    if head.family == "dflash":
-        return {"logits": head.lm_head(h).flatten(1, 2)}
-    pos = ANCHORS[:, None] + torch.arange(head.block_size)
-    logits, conf = head.slot_outputs(h, ids[0, pos][None])
-    return {"logits": logits.flatten(1, 2), "confidence": conf.flatten(1)}
+    return check_export.our_logits(head, target, b, ANCHORS)
 
 
 # -- layer ids ------------------------------------------------------------------------------------
@@ -139,20 +121,12 @@ def test_export_import_round_trip(family, fmt, target_dir, tmp_path):
     out = export_draft(tmp_path / "draft", fmt, tmp_path / "out")
     cfg = json.loads((out / "config.json").read_text())
     assert formats.detect_format(out) == fmt and cfg["draftsmith"]["family"] == family
-    fresh = FrozenTarget(str(target_dir))  # a target as eval builds it (default taps): the import sets the draft's
-    back = load_draft(out, fresh).eval()
-    assert type(back) is type(head) and back.tap_layers == head.tap_layers
-    a, b_ = head.state_dict(), back.state_dict()
-    assert a.keys() == b_.keys() and all(torch.equal(a[k], b_[k]) for k in a)
-    b = batch(target.vocab_size)
-    ours, theirs = our_logits(head, target, b), our_logits(back, fresh, b)
-    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-    # and again: the imported head exports to the same tensors
-    again = export_draft(out, fmt, tmp_path / "again")
-    from safetensors.torch import load_file
-
-    t1, t2 = load_file(str(out / "model.safetensors")), load_file(str(again / "model.safetensors"))
-    assert t1.keys() == t2.keys() and all(torch.equal(t1[k], t2[k]) for k in t1)
+    # the check python -m eval.check_export runs on real drafts: import → same class, taps, weights, logits; export again
+    # → same tensors
+    ids = batch(target.vocab_size)["input_ids"]
+    rt = check_export.round_trip(head, target, out, fmt, str(target_dir), ids, ANCHORS, tmp_path / "again")
+    assert rt == {"same_class": True, "same_taps": True, "weights_identical": True, "logits_identical": True,
+                  "reexport_identical": True, "identical": True}
 
 
 def test_exports_name_what_each_engine_reads(target_dir, tmp_path):
@@ -329,39 +303,15 @@ def test_eval_loads_a_speculators_export(target_dir, tmp_path):
 
 
 # -- the real client: the speculators library in its own environment ---------------------------------
-SIDE = ROOT / ".venv-speculators"
-SIDE_PINS = ["torch==2.13.0", "speculators==0.9.0"]
-
-
-def side_python() -> Path:
-    """The side venv's python, built if missing (pip; torchvision/torchaudio removed: PyPI's break beside the CPU torch)."""
-    py, stamp = SIDE / "bin" / "python", SIDE / ".installed"
-    if py.exists() and stamp.exists() and stamp.read_text().split() == SIDE_PINS:
-        return py
-    import urllib.request
-
-    try:
-        urllib.request.urlopen("https://pypi.org/simple/speculators/", timeout=15).close()
-    except OSError as e:
-        pytest.skip(f"PyPI unreachable ({e}); cannot build {SIDE.name} with {' '.join(SIDE_PINS)}")
-    t0 = time.time()
-    steps = [] if py.exists() else [[sys.executable, "-m", "venv", str(SIDE)]]
-    steps += [[str(py), "-m", "pip", "install", "-q", *SIDE_PINS],
-              [str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"]]
-    for cmd in steps:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-        assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}"
-    stamp.write_text(" ".join(SIDE_PINS) + "\n")
-    print(f"built {SIDE.name} in {time.time() - t0:.0f}s")
-    return py
-
-
 @pytest.fixture(scope="module")
 def speculators_results(target_dir, tmp_path_factory):
-    """Export every exportable (family, format), run speculators on each; → {case: (ours, theirs, meta, expected)}."""
-    from safetensors.torch import load_file, save_file
+    """Export every exportable (family, format), run speculators on each; → {case: (ours, theirs, meta, expected)}.
 
-    py = side_python()
+    Built by eval/check_export.py, the functions ``python -m eval.check_export`` runs on real drafts."""
+    try:
+        check_export.side_python()
+    except UserError as e:
+        pytest.skip(str(e))
     work = tmp_path_factory.mktemp("speculators")
     cases, expected = [], {}
     for family, fmt in CASES:
@@ -371,45 +321,18 @@ def speculators_results(target_dir, tmp_path_factory):
         target, head = make_head(family, target_dir)
         head.export(work / f"{family}-draft")
         out = export_draft(work / f"{family}-draft", fmt, work / name)
-        b = batch(target.vocab_size)
-        ids = b["input_ids"]
-        feats = target(ids)
-        x = {"hidden_states": feats.tap_states.flatten(-2), "input_ids": ids, "last_hidden_states": feats.last_state}
-        if family == "eagle3":  # speculators feeds step 0 the next token (ours shifts inside the head)
-            x.update(input_ids=shift_left(ids, 1), position_ids=torch.arange(ids.shape[1])[None],
-                     ttt_steps=torch.tensor(head.ttt_steps))
-        elif family != "mtp":
-            x["anchors"] = ANCHORS
-        save_file({k: v.contiguous() for k, v in x.items()}, str(work / f"{name}.in.safetensors"))
-        case = {"name": name, "kind": family, "dir": str(out), "inputs": str(work / f"{name}.in.safetensors"),
-                "out": str(work / f"{name}.out.safetensors"), "verifier": str(target_dir)}
-        if fmt != "speculators":
-            case["convert"] = family
-            case["layer_ids"] = engine_layer_ids(head.tap_layers, "speculators")
+        ids = batch(target.vocab_size)["input_ids"]
+        case, ours, meta = check_export.make_case(name, head, target, out, fmt, ids, ANCHORS, work, str(target_dir))
         cases.append(case)
-        if family == "mtp":  # reads the last layer's output; one shared layer; K depths
-            meta = {"layer_ids": engine_layer_ids([target.num_layers - 1], "speculators"), "class": "MTPDraftModel",
-                    "num_nextn_predict_layers": 1, "speculative_tokens": head.num_steps}
-        else:
-            meta = {"layer_ids": engine_layer_ids(head.tap_layers, "speculators"), "class": {"eagle3": "Eagle3DraftModel",
-                    "dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}[family],
-                    **({"block_size": head.block_size, "mask_token_id": head.mask_token_id} if family != "eagle3" else
-                       {"draft_vocab_size": head.draft_vocab_size})}
-        expected[name] = (our_logits(head, target, b), meta)
-    (work / "job.json").write_text(json.dumps({"cases": cases}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+        expected[name] = (ours, meta)
     t0 = time.time()
-    r = subprocess.run([str(py), str(ROOT / "tests" / "speculators_check.py"), str(work / "job.json")],
-                       cwd=work, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    results = {}
-    for case in cases:
-        theirs = load_file(case["out"])
-        meta = json.loads(Path(case["out"] + ".json").read_text())
-        results[case["name"]] = (expected[case["name"]][0], theirs, meta, expected[case["name"]][1])
+    side = check_export.run_side(cases, work, timeout=600)
+    results = {name: (expected[name][0], theirs, meta, expected[name][1]) for name, (theirs, meta) in side.items()}
     print(f"\nspeculators 0.9.0 side run: {time.time() - t0:.1f}s; max |logit difference| (tolerance {LOGIT_ATOL}):")
     for name, (ours, theirs, _, _) in results.items():
-        print(f"  {name:22s} " + "  ".join(f"{k} {(ours[k] - theirs[k]).abs().max().item():.2e}" for k in ours))
+        c = check_export.compare(ours, theirs)
+        print(f"  {name:22s} " + "  ".join(f"{k} {v:.2e}" for k, v in c.items() if k.startswith("max_abs_diff"))
+              + f"  top-1 {c['top1_agreement']:.1%}")
     for family in SMALL:
         if not exportable(family):
             print(f"  {family:22s} not exported: the {family} head has no q/k-normed DFlash layers")
@@ -427,3 +350,35 @@ def test_speculators_library_gives_our_logits(case, speculators_results):
     for k in ours:
         assert theirs[k].shape == ours[k].shape, k
         assert (theirs[k] - ours[k]).abs().max().item() <= LOGIT_ATOL, k
+
+
+def test_speculators_library_cli_checks_drafts_and_refuses_in_one_line(target_dir, tmp_path):
+    """python -m eval.check_export on trained-draft directories: every exportable draft checked against speculators and
+    round-tripped, the DeepSeek-layout MTP refused with one error line, the others still checked; exit 2 (refused)."""
+    try:
+        check_export.side_python()
+    except UserError as e:
+        pytest.skip(str(e))
+    for family in ("eagle3", "dspark"):
+        make_head(family, target_dir)[1].export(tmp_path / family / "draft")
+    cfg = OmegaConf.load(ROOT / "conf" / "draft" / "mtp.yaml")  # DeepSeek-V3 layout: speculators cannot hold it
+    hydra.utils.instantiate(cfg, target=FrozenTarget(str(target_dir)), _convert_="all").export(tmp_path / "mtp" / "draft")
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun. " * 4
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "eval.check_export", f"drafts=[{tmp_path / 'eagle3'},{tmp_path / 'mtp'},"
+                        f"{tmp_path / 'dspark' / 'draft'}]", f"out={tmp_path / 'check'}", f"text='{text}'", "tokens=40",
+                        "anchors=4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {tmp_path / 'mtp'}: format=speculators cannot hold this mtp draft")
+    assert errors[0].endswith("train it with draft=mtp_speculators")
+    res = json.loads((tmp_path / "check" / "result.json").read_text())
+    got = {rec["family"]: rec for rec in res["drafts"]}
+    assert [rec["family"] for rec in res["drafts"]] == ["eagle3", "mtp", "dspark"] and "error" in got["mtp"]
+    for family in ("eagle3", "dspark"):
+        rec = got[family]
+        assert rec["ok"] and rec["round_trip"]["identical"] and rec["speculators"]["config_ok"], rec
+        assert rec["speculators"]["max_abs_diff"] <= LOGIT_ATOL and rec["speculators"]["top1_agreement"] == 1.0
+        assert rec["tokens"] == 40 and rec["text"] == "text="
+    assert len(got["dspark"]["anchors"]) == 4 and "max_abs_diff_confidence" in got["dspark"]["speculators"]
+    assert not list((tmp_path / "check").glob("exports"))  # exports went to a temporary directory, removed

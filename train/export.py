@@ -8,7 +8,8 @@
 The draft is rebuilt on its target (``verifier``, or the target it records), converted by
 :mod:`models.formats` (parameter names, layer-id convention, engine config) and written atomically:
 a refused or failed export leaves no directory behind. ``load_draft`` (and so ``python -m eval``) reads
-every format this writes.
+every format this writes. ``python -m eval.check_export drafts=[runs/x]`` checks a trained draft's speculators
+export against the speculators library and our import, on real text through its target.
 """
 from __future__ import annotations
 
