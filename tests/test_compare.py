@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+from omegaconf import OmegaConf
+
 from conftest import ROOT, train_overrides
 
 
@@ -16,7 +18,7 @@ def test_compare_trains_resumes_and_tabulates(tiny_target_dir, tiny_chats, tmp_p
     args = [sys.executable, "-m", "eval.compare", f"run_dir={tmp_path / 'cmp'}", f"target.name_or_path={tiny_target_dir}",
             "train_overrides=[" + ",".join(f"'{o}'" for o in shared) + "]",
             "families.eagle3=['draft=eagle3','draft.ttt_steps=2']", "families.dflash=['draft=dflash','draft.block_size=4']",
-            "families.mtp=null", "families.medusa=null", "families.dspark=null",
+            *[f"families.{f}=null" for f in OmegaConf.load(ROOT / "conf/compare.yaml").families if f not in ("eagle3", "dflash")],
             "baselines.draft_model=null", "eval_set=[jsonl]", f"eval_set.jsonl.path={prompts}",
             "max_new_tokens=8", "k=3", "limit=1"]
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
