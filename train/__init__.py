@@ -11,7 +11,7 @@ def cpu_precision() -> str:
     """``bf16-mixed`` where the CPU multiplies bf16 in hardware tiles (AMX), else ``32``.
 
     bf16 autocast on a CPU with only AVX-512 BF16 is slower than fp32 (``python -m eval.bench_train``
-    measured 277 vs 349 tokens/s for EAGLE-3 on this project's 2-core Xeon), so the default follows the
+    measured 589 vs 937 tokens/s for EAGLE-3 on this project's 2-core Xeon), so the default follows the
     hardware rather than the flag alone (DESIGN.md §5).
     """
     try:
