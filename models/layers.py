@@ -172,6 +172,25 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, weight:
     return (per * weight).sum() / weight.sum().clamp_min(1.0)
 
 
+def lookahead_loss(logits: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
+                   teacher_logits: torch.Tensor, teacher_top: torch.Tensor, ahead: int, soft: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss of logits [B, T, V] that predict token t+1+ahead at position t (Medusa head k, MTP depth k+1:
+    ahead = k+1), weighted by that token's loss mask; hard CE on the data token or, with ``soft``, soft CE
+    against the target's distribution for it (its logits at t+ahead). Also the top-1 agreement with the
+    target's own guess there (``teacher_top`` [B, T]). Returns (loss, correct, total)."""
+    w = (shift_left(loss_mask, 1 + ahead) * shift_left(valid, 1 + ahead)).float()  # [B, T]
+    if soft:
+        p = torch.softmax(shift_left(teacher_logits, ahead).float(), -1)
+        loss = soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
+    else:
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), shift_left(ids, 1 + ahead).flatten(), reduction="none")
+        loss = (ce * w.flatten()).sum() / w.sum().clamp_min(1.0)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == shift_left(teacher_top, ahead)) & (w > 0)
+    return loss, hit.sum().float(), (w > 0).sum().float()
+
+
 def expected_acceptance_length(acc: list[float] | torch.Tensor) -> float:
     """1 + Σ_k Π_{j<=k} acc_j: the expected tokens per verification if step j is accepted with prob acc_j."""
     total, run = 1.0, 1.0

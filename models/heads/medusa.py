@@ -17,7 +17,7 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.layers import shift_left, soft_cross_entropy
+from models.layers import lookahead_loss
 
 
 class ResBlock(nn.Module):
@@ -66,17 +66,8 @@ class MedusaHead(DraftHead):
         loss = feats.last_state.new_zeros(())
         correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
         for k, logits in enumerate(self.logits(feats.last_state)):  # [B, T, V]
-            w = (shift_left(loss_mask, 2 + k) * shift_left(valid, 2 + k)).float()  # position t learns token t+2+k
-            if self.soft:
-                p = torch.softmax(shift_left(feats.logits, 1 + k).float(), -1)
-                lk = soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
-            else:
-                ce = F.cross_entropy(logits.flatten(0, 1).float(), shift_left(ids, 2 + k).flatten(), reduction="none")
-                lk = (ce * w.flatten()).sum() / w.sum().clamp_min(1.0)
-            loss = loss + self.step_decay ** k * lk
-            with torch.no_grad():
-                hit = (logits.argmax(-1) == shift_left(t_top, 1 + k)).float() * (w > 0)
-                correct[k], total[k] = hit.sum(), (w > 0).sum()
+            lk, correct[k], total[k] = lookahead_loss(logits, ids, loss_mask, valid, feats.logits, t_top, 1 + k, self.soft)
+            loss = loss + self.step_decay ** k * lk  # head k learns token t+2+k
         return HeadOutput(loss=loss, correct=correct, total=total)
 
     # -- inference ------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.layers import Attention, DecoderLayer, RMSNorm, Rotary, shift_left, soft_cross_entropy
+from models.layers import Attention, DecoderLayer, RMSNorm, Rotary, lookahead_loss, shift_left
 from models.target import rope_theta
 
 
@@ -170,17 +170,8 @@ class MTPHead(DraftHead):
         for j in range(K):  # depth j+1: position t reads token t+1+j, predicts t+2+j
             h, _, _ = self.module(j + 1)(h, self.embed_tokens(shift_left(ids, 1 + j)), cos, sin)  # [B, T, d]
             logits = self.logits(j + 1, h)  # [B, T, V]
-            w = (shift_left(loss_mask, 2 + j) * shift_left(valid, 2 + j)).float()  # [B, T]
-            if self.soft:
-                p = torch.softmax(shift_left(feats.logits, 1 + j).float(), -1)
-                lj = soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
-            else:
-                ce = F.cross_entropy(logits.flatten(0, 1).float(), shift_left(ids, 2 + j).flatten(), reduction="none")
-                lj = (ce * w.flatten()).sum() / w.sum().clamp_min(1.0)
+            lj, correct[j], total[j] = lookahead_loss(logits, ids, loss_mask, valid, feats.logits, t_top, 1 + j, self.soft)
             loss = loss + self.loss_weights[j] * lj
-            with torch.no_grad():
-                hit = (logits.argmax(-1) == shift_left(t_top, 1 + j)).float() * (w > 0)
-                correct[j], total[j] = hit.sum(), (w > 0).sum()
         return HeadOutput(loss=loss, correct=correct, total=total)
 
     # -- inference (the decoder's Drafter protocol) ----------------------------------------------
