@@ -66,12 +66,16 @@ def regenerate_conversations(model, tokenizer, convs: list[dict], max_new_tokens
                 break
             j = users_done[i]
             while j < len(msgs) and msgs[j]["role"] != "user":
-                results[i].append(msgs[j]); j += 1  # system turns
+                results[i].append(msgs[j])  # system turns
+                j += 1
             if j < len(msgs):
-                results[i].append(msgs[j]); users_done[i] = j + 1
+                results[i].append(msgs[j])
+                users_done[i] = j + 1
                 active.append(i)
         if not active:
             break
+        # similar lengths share a batch: less left padding
+        active.sort(key=lambda i: sum(len(m["content"]) for m in results[i]))
         for s in range(0, len(active), batch_size):
             idx = active[s: s + batch_size]
             answers = generate_batch(model, tokenizer, [results[i] for i in idx], max_new_tokens, temperature, top_p)
@@ -86,20 +90,28 @@ def regenerate_conversations(model, tokenizer, convs: list[dict], max_new_tokens
 def main(cfg: DictConfig) -> None:
     from transformers import AutoModelForCausalLM
 
-    from models.target import DTYPES, load_tokenizer, resolve_path
+    from models.target import load_tokenizer, resolve_dtype, resolve_path
 
     if cfg.temperature < 0:
         raise UserError(f"temperature={cfg.temperature}: must be >= 0")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(cfg.target.name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.target.name_or_path), dtype=DTYPES[cfg.target.dtype]).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.target.name_or_path), dtype=resolve_dtype(cfg.target.dtype)).eval()
     torch.manual_seed(cfg.seed)
     ds = load_conversations(cfg.data.source, cfg.split, cfg.data.heldout_fraction)
     if cfg.data.max_conversations:
         ds = ds.select(range(min(cfg.data.max_conversations, len(ds))))
     done = finished_ids(out_dir)
     todo = [{"id": r["id"], "messages": r["messages"]} for r in ds if r["id"] not in done]
+    if cfg.max_prompt_tokens:  # a first prompt longer than this is skipped (it would dominate a batch's cost)
+        def first_prompt_len(c: dict) -> int:
+            first = next(i for i, m in enumerate(c["messages"]) if m["role"] == "user")
+            text = tok.apply_chat_template(c["messages"][: first + 1], tokenize=False, add_generation_prompt=True)
+            return len(tok(text, add_special_tokens=False)["input_ids"])
+        kept = [c for c in todo if first_prompt_len(c) <= cfg.max_prompt_tokens]
+        print(f"regenerate: {len(todo) - len(kept)} conversations skipped (first prompt > {cfg.max_prompt_tokens} tokens)")
+        todo = kept
     print(f"regenerate: {len(done)} already done, {len(todo)} to do -> {out_dir}")
     n_shards = len(list(out_dir.glob("shard-*.jsonl")))
     for s in range(0, len(todo), cfg.shard_size):

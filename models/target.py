@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from data.errors import UserError
+from models.gguf import SMOLLM2, converted_dir
 
 EMBEDDED = "embedded"
 EMBEDDED_PATH = Path(__file__).resolve().parent.parent / "assets" / "target"
@@ -36,7 +37,7 @@ def rope_theta(config) -> float:
 
 
 def default_tap_layers(num_layers: int, method: str = "eagle3", n_taps: int = 5) -> list[int]:
-    """Default tap layers (decoder-layer indices) per DESIGN.md §2.
+    """Default tap layers (decoder-layer indices) of a drafter family (README, "The frozen target").
 
     eagle3: ``[1, L//2 - 1, L - 4]`` (on shallow targets where these collide, the next layer up: L=6 →
     [1, 2, 3]). dflash: ``n_taps`` spread uniformly over layers 1..L-3
@@ -56,8 +57,21 @@ def default_tap_layers(num_layers: int, method: str = "eagle3", n_taps: int = 5)
     raise UserError(f"tap method {method!r}: use eagle3 or dflash")
 
 
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """``auto``: float32 on a CPU (bf16 is no faster for these models on CPUs without AMX, and numerically
+    exact decoding needs fp32), bfloat16 on a GPU; otherwise one of :data:`DTYPES`."""
+    if dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if dtype not in DTYPES:
+        raise UserError(f"target.dtype={dtype!r}: use auto or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
 def resolve_path(name_or_path: str) -> str:
-    """``embedded`` → the shipped model directory; anything else is passed to ``from_pretrained``."""
+    """``embedded`` → the shipped model directory; ``smollm2`` or a ``*.gguf`` file → its converted HF folder
+    (:mod:`models.gguf`, converted once); anything else is passed to ``from_pretrained``."""
+    if name_or_path == SMOLLM2 or str(name_or_path).endswith(".gguf"):
+        return str(converted_dir(name_or_path))
     if name_or_path == EMBEDDED:
         if not (EMBEDDED_PATH / "config.json").exists():
             raise UserError(f"embedded target missing at {EMBEDDED_PATH}; rebuild it with `python -m train.embedded_target`")
@@ -98,15 +112,14 @@ class FrozenTarget(nn.Module):
                 raise UserError("target: give name_or_path (a model name, a path, or 'embedded')")
             from transformers import AutoModelForCausalLM
 
-            if dtype not in DTYPES:
-                raise UserError(f"target.dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+            torch_dtype = resolve_dtype(dtype)
             path = resolve_path(name_or_path)
             try:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
             except OSError as e:
                 raise UserError(f"target {name_or_path!r}: could not load ({str(e).splitlines()[0]})") from None
-        elif dtype in DTYPES:
-            model = model.to(DTYPES[dtype])
+        elif dtype in DTYPES or dtype == "auto":
+            model = model.to(resolve_dtype(dtype))
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "module")
         self.model = model.eval().requires_grad_(False)
         self.num_layers: int = self.model.config.num_hidden_layers
