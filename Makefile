@@ -22,6 +22,7 @@ quickstart: $(STAMP)
 	$(BIN)/python -m eval.quickstart
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
 
 # Rebuild the embedded target from scratch (about two hours on a 2-core CPU); resumes from its last checkpoint.

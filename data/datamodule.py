@@ -7,35 +7,14 @@ inside the training step. Offline: batches also hold ``tap_states`` [B, T, n_tap
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
 
 from data.errors import UserError
+from data.features import collate
 
-
-def collate(rows: list[dict[str, Any]], pad_id: int = 0, multiple: int = 8) -> dict[str, torch.Tensor]:
-    """Right-pad a list of samples to the longest (rounded up to ``multiple``)."""
-    T = max(len(r["input_ids"]) for r in rows)
-    T = -(-T // multiple) * multiple
-    B = len(rows)
-    out = {"input_ids": torch.full((B, T), pad_id, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.long),
-           "attention_mask": torch.zeros(B, T, dtype=torch.long)}
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        out["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
-        out["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
-        out["attention_mask"][i, :n] = 1
-    for key in ("tap_states", "last_state"):
-        if key in rows[0]:
-            first = torch.as_tensor(rows[0][key])
-            buf = torch.zeros((B, T) + tuple(first.shape[1:]), dtype=first.dtype)
-            for i, r in enumerate(rows):
-                x = torch.as_tensor(r[key])
-                buf[i, : x.shape[0]] = x
-            out[key] = buf
-    return out
+__all__ = ["DraftDataModule", "collate"]
 
 
 class DraftDataModule(L.LightningDataModule):

@@ -1,4 +1,8 @@
-"""User-facing errors: one clear line, no traceback, non-zero exit."""
+"""The ground floor: user-facing errors, the command wrapper, atomic writes and Hydra instantiation.
+
+Every other module may import this one; it imports nothing of this project (see README, "Architecture").
+A :class:`UserError` is one clear line, no traceback, exit code 2.
+"""
 from __future__ import annotations
 
 import functools
@@ -7,7 +11,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -28,6 +32,23 @@ def cli(fn: F) -> F:
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
+
+
+def instantiate(node: Any, _partial_: bool = False, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` that lets our one-line UserErrors through (Hydra wraps them) and names
+    the config node when a constructor rejects its arguments (``_partial_``: a ``functools.partial``)."""
+    import hydra
+    from hydra.errors import InstantiationException
+
+    try:
+        return hydra.utils.instantiate(node, _convert_="all", _partial_=_partial_, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        if isinstance(cause, UserError):
+            raise cause from None
+        if isinstance(cause, TypeError):
+            raise UserError(f"{node.get('_target_')}: {cause}") from None
+        raise
 
 
 @contextmanager

@@ -21,9 +21,45 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_file, cli
+from data.errors import UserError, atomic_file, cli, instantiate
 
 CACHE_FORMAT = "draftsmith-features/1"
+
+
+def collate(rows: list[dict[str, Any]], pad_id: int = 0, multiple: int = 8) -> dict[str, torch.Tensor]:
+    """Right-pad a list of samples to the longest (rounded up to ``multiple``)."""
+    T = max(len(r["input_ids"]) for r in rows)
+    T = -(-T // multiple) * multiple
+    B = len(rows)
+    out = {"input_ids": torch.full((B, T), pad_id, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.long),
+           "attention_mask": torch.zeros(B, T, dtype=torch.long)}
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        out["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
+        out["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"])
+        out["attention_mask"][i, :n] = 1
+    for key in ("tap_states", "last_state"):
+        if key in rows[0]:
+            first = torch.as_tensor(rows[0][key])
+            buf = torch.zeros((B, T) + tuple(first.shape[1:]), dtype=first.dtype)
+            for i, r in enumerate(rows):
+                x = torch.as_tensor(r[key])
+                buf[i, : x.shape[0]] = x
+            out[key] = buf
+    return out
+
+
+def build_target(cfg: DictConfig) -> Any:
+    """The frozen target of a training config with the tap layers the head family wants (unless the config names them)."""
+    from models.target import default_tap_layers
+
+    target = instantiate(cfg.target, tap_layers=None)
+    head_cls = hydra.utils.get_class(cfg.draft._target_)
+    taps = cfg.target.tap_layers
+    if taps is None:
+        taps = default_tap_layers(target.num_layers, head_cls.tap_method, cfg.get("n_taps", 5))
+    target.set_tap_layers(list(taps))
+    return target
 
 
 def sha256(path: Path) -> str:
@@ -44,7 +80,6 @@ def write_features(target: Any, ds, out_dir: str | Path, batch_size: int = 8, sh
     """Run the frozen target over this rank's share of ``ds`` (rows with ``input_ids``, ``loss_mask``) and write shards."""
     from safetensors.torch import save_file
 
-    from data.datamodule import collate
     from models.target import DTYPES
 
     out = Path(out_dir)
@@ -134,8 +169,6 @@ class FeatureDataset(torch.utils.data.Dataset):
 @cli
 def main(cfg: DictConfig) -> None:
     """Write the offline feature cache for the train and held-out splits of a training config."""
-    from train.build import build_target, instantiate
-
     target = build_target(cfg)
     dm = instantiate(cfg.data, tokenizer=cfg.target.name_or_path)
     out = Path(cfg.data.feature_dir or f"runs/features/{cfg.name}")

@@ -7,7 +7,6 @@ The result is cached by ``datasets`` next to the conversation cache (same input 
 """
 from __future__ import annotations
 
-from collections import Counter
 
 import hydra
 from omegaconf import DictConfig

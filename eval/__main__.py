@@ -14,14 +14,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.errors import cli
+from data.errors import cli, instantiate
 
 
 def run(cfg: DictConfig) -> dict:
     from eval.run import build_drafter, build_sets, evaluate, protocol_of, write_report
     from models.target import load_tokenizer
-    from train.build import instantiate
-
     target = instantiate(cfg.target)
     tok = load_tokenizer(cfg.target.name_or_path)
     drafters = {name: build_drafter(node, target) for name, node in (cfg.drafters or {}).items() if node is not None}

@@ -5,7 +5,8 @@ from typing import Any
 
 import torch
 
-from eval.decoder import Proposal, Sampler, crop
+from eval.decoder import crop
+from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.target import TargetOutput
 
 
@@ -70,12 +71,9 @@ class ModelDrafter:
         for j in range(k):
             logits = self.model(input_ids=feed, cache=self.cache, use_cache=True).logits[0, -1]
             self.seen += feed[0].tolist()
-            if sampler.greedy:
-                t, q = int(logits.argmax()), None
-            else:
-                q = sampler.probs(logits)
-                t = sampler.sample(q)
+            t, q = draw(logits, sampler)
+            t = int(t)
             tokens.append(t)
             probs.append(q)
             feed = torch.tensor([[t]])
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), probs=None if sampler.greedy else torch.stack(probs))
+        return proposal(tokens, probs)

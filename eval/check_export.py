@@ -8,12 +8,12 @@ its own target (``verifier=``, or the target it records), export it to the specu
 and on one real text — a held-out ShareGPT conversation (the training split's id hash), or ``text=`` —
 tokenised by the target's tokenizer and run through the target for its real features:
 
-- **speculators**: ``tests/speculators_check.py`` in the side venv ``.venv-speculators`` (torch + speculators
+- **speculators**: ``eval/speculators_side.py`` in the side venv ``.venv-speculators`` (torch + speculators
   0.9.0, none of our code; built on first use) loads the export with speculators' own ``from_pretrained``
   and runs its forward on the same inputs; its logits are compared with our head's (max |difference|,
   max |logit|, top-1 agreement), and what it read from the config (class, layer ids, block size, ...) with
   what the head implies;
-- **round trip**: the export imported back (:func:`models.heads.load_draft`) must give the same head class,
+- **round trip**: the export imported back (:func:`models.formats.load_draft`) must give the same head class,
   taps, weights (bit-identical) and logits, and export again to the same tensors.
 
 A draft the format cannot hold (the DeepSeek-V3-layout MTP of ``draft=mtp``; a DFlash head without q/k norms)
@@ -22,7 +22,8 @@ Exit status: 0 every draft passed; 1 a check failed (logits beyond ``atol``, a c
 round trip not identical); 2 a draft was refused (and nothing failed).
 
 The same functions build the cases of ``tests/test_formats.py`` (tiny random targets), so the test and this
-command are one implementation.
+command are one implementation. What differs between families (inputs, logits compared, config fields read) is one
+row per family in :data:`models.formats.speculators.FAMILIES`.
 """
 from __future__ import annotations
 
@@ -41,12 +42,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.errors import UserError, cli, write_json
+from models.formats.layer_ids import engine_layer_ids
+from models.formats.speculators import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDE = ROOT / ".venv-speculators"
 SIDE_PINS = ["torch==2.13.0", "speculators==0.9.0"]
-SIDE_SCRIPT = ROOT / "tests" / "speculators_check.py"
-CLASSES = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "mtp": "MTPDraftModel"}
+SIDE_SCRIPT = Path(__file__).resolve().parent / "speculators_side.py"
 
 
 # -- the side venv ------------------------------------------------------------------------------------
@@ -105,63 +107,30 @@ def make_batch(ids: torch.Tensor) -> dict:
     return {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids)}
 
 
-@torch.no_grad()
 def our_logits(head, target, b: dict, anchors: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """EAGLE-3: every training-time-test step's logits [K, 1, T, Vd]; DFlash/DSpark: block logits at ``anchors``;
-    MTP: every depth's logits [K, 1, T-K-1, V] (the positions whose inputs all lie inside the sequence, as speculators)."""
-    ids = b["input_ids"]
-    feats = target(ids, return_logits=True)
-    if head.family in ("eagle3", "mtp"):
-        steps = []
-        hook = head.lm_head.register_forward_hook(lambda m, i, o: steps.append(o.detach()))
-        head.training_loss(b, feats)
-        hook.remove()
-        if head.family == "mtp":
-            return {"logits": torch.stack(steps)[:, :, : ids.shape[1] - head.num_steps - 1]}
-        return {"logits": torch.stack(steps)}
-    ok = torch.ones(1, anchors.numel(), dtype=torch.bool)
-    h = head.block_hidden(ids, anchors[None], ok, feats.tap_states)  # [1, N, blk, d]
-    if head.family == "dflash":
-        return {"logits": head.lm_head(h).flatten(1, 2)}
-    pos = anchors[:, None] + torch.arange(head.block_size)
-    logits, conf = head.slot_outputs(h, ids[0, pos][None])
-    return {"logits": logits.flatten(1, 2), "confidence": conf.flatten(1)}
+    """Our logits on the inputs speculators' forward gets (EAGLE-3: every training-time-test step [K, 1, T, Vd];
+    DFlash/DSpark: block logits at ``anchors``; MTP: every depth's [K, 1, T-K-1, V])."""
+    return FAMILIES[head.family].logits(head, target, b, anchors)
 
 
 @torch.no_grad()
 def side_inputs(head, target, ids: torch.Tensor, anchors: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """What speculators' forward is given: the target's features of ``ids`` in its conventions."""
-    from models.layers import shift_left
-
     feats = target(ids)
     x = {"hidden_states": feats.tap_states.flatten(-2), "input_ids": ids, "last_hidden_states": feats.last_state}
-    if head.family == "eagle3":  # speculators feeds step 0 the next token (ours shifts inside the head)
-        x.update(input_ids=shift_left(ids, 1), position_ids=torch.arange(ids.shape[1])[None],
-                 ttt_steps=torch.tensor(head.ttt_steps))
-    elif head.family != "mtp":
-        x["anchors"] = anchors
-    return x
+    return x | FAMILIES[head.family].inputs(head, ids, anchors)
 
 
 def expected_meta(head, target) -> dict:
     """What speculators must read from the export's config: class, layer ids, depth / block / vocabulary fields."""
-    from models.formats import engine_layer_ids
-
-    if head.family == "mtp":  # reads the last layer's output; one shared layer; K depths
-        return {"layer_ids": engine_layer_ids([target.num_layers - 1], "speculators"), "class": CLASSES["mtp"],
-                "num_nextn_predict_layers": 1, "speculative_tokens": head.num_steps}
-    meta = {"layer_ids": engine_layer_ids(head.tap_layers, "speculators"), "class": CLASSES[head.family]}
-    if head.family == "eagle3":
-        return meta | {"draft_vocab_size": head.draft_vocab_size}
-    return meta | {"block_size": head.block_size, "mask_token_id": head.mask_token_id}
+    row = FAMILIES[head.family]
+    return {"class": row.model_class} | row.meta(head, target)
 
 
 def make_case(name: str, head, target, export_dir: Path, fmt: str, ids: torch.Tensor, anchors: torch.Tensor | None,
               work: Path, verifier: str) -> tuple[dict, dict, dict]:
     """One side-run case for ``export_dir`` (format ``fmt``) → (case, our logits, the meta speculators must read)."""
     from safetensors.torch import save_file
-
-    from models.formats import engine_layer_ids
 
     x = side_inputs(head, target, ids, anchors)
     save_file({k: v.contiguous() for k, v in x.items()}, str(work / f"{name}.in.safetensors"))
@@ -194,8 +163,7 @@ def round_trip(head, target, export_dir: Path, fmt: str, target_name: str, ids: 
     """Export → import → same class, taps, weights and logits; → export again → same tensors (all bit-identical)."""
     from safetensors.torch import load_file
 
-    from models.formats import export_draft
-    from models.heads import load_draft
+    from models.formats import export_draft, load_draft
     from models.target import FrozenTarget
 
     fresh = FrozenTarget(target_name, dtype="float32")  # a target as eval builds it (default taps): the import sets the draft's
@@ -245,8 +213,7 @@ def text_ids(target_name: str, cfg: DictConfig) -> tuple[torch.Tensor, str]:
 
 def check_drafts(cfg: DictConfig) -> tuple[list[dict], int]:
     """Check every draft of ``cfg.drafts`` (see the module docstring) → (records, exit status)."""
-    from models.formats import draft_family, export_draft, load_export_target, resolve_draft_dir
-    from models.heads import load_draft
+    from models.formats import draft_family, export_draft, load_draft, load_export_target, resolve_draft_dir
 
     drafts = list(cfg.drafts or [])
     if not drafts:
@@ -278,7 +245,8 @@ def check_drafts(cfg: DictConfig) -> tuple[list[dict], int]:
             if target_name not in texts:
                 texts[target_name] = text_ids(target_name, cfg)
             ids, where = texts[target_name]
-            anchors = None if family in ("eagle3", "mtp") else default_anchors(ids.shape[1], head.block_size, int(cfg.anchors))
+            blocks = FAMILIES[family].blocks
+            anchors = default_anchors(ids.shape[1], head.block_size, int(cfg.anchors)) if blocks else None
             verifier = json.loads((exported / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
             case, ours, meta = make_case(name, head, target, exported, fmt, ids, anchors, work, verifier)
             cases.append(case)

@@ -23,7 +23,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_file, cli, write_json
+from data.errors import UserError, atomic_file, cli, instantiate, write_json
 
 
 def train_family(name: str, overrides: list[str], shared: list[str], run_dir: Path) -> dict:
@@ -65,8 +65,6 @@ def summary_table(results: dict, trained: dict, protocol: dict) -> str:
 def run(cfg: DictConfig) -> dict:
     from eval.run import build_drafter, build_sets, evaluate, load_head, protocol_of, write_report
     from models.target import load_tokenizer
-    from train.build import instantiate
-
     run_dir = Path(cfg.run_dir)
     families = {k: list(v) for k, v in (cfg.families or {}).items() if v is not None}
     trained: dict = {}

@@ -10,34 +10,25 @@ the new pending token. Output is exactly the target's:
   treated as one-hot q, which is the same as sampling y ~ p and accepting iff y == d_i.
 τ (``tau``) = tokens produced by verification passes / number of passes, bonus included (plain decoding: 1).
 
-The decoder knows drafters only through :class:`Drafter`: ``start`` (after prefill, with the prompt's
-target features), ``propose`` (given the pending token) and ``commit`` (the accepted tokens and their
-target features, so the drafter can extend its own context).
+The decoder knows drafters only through the drafting contract of :mod:`models.heads.drafting`
+(:class:`Drafter`, :class:`Proposal`, :class:`Sampler`, re-exported here): ``start`` (after prefill, with
+the prompt's target features), ``propose`` (given the pending token) and ``commit`` (the accepted tokens and
+their target features, so the drafter can extend its own context).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from data.errors import UserError
+from models.heads.drafting import Drafter, Proposal, Sampler
 from models.target import TargetOutput
 
-
-@dataclass
-class Proposal:
-    tokens: torch.Tensor                  # [k] drafted token ids
-    probs: torch.Tensor | None = None     # [k, V] the distributions they were drawn from (None: deterministic)
-
-
-class Drafter(Protocol):
-    """What the decoder needs from a drafter (a trained head, n-gram lookup, a small LM...)."""
-
-    def start(self, prompt_ids: torch.Tensor, feats: TargetOutput) -> None: ...
-    def propose(self, pending: int, k: int, sampler: "Sampler") -> Proposal: ...
-    def commit(self, tokens: torch.Tensor, feats: TargetOutput) -> None: ...
+__all__ = ["Drafter", "GenStats", "NoDrafter", "Proposal", "Sampler", "SpeculativeDecoder", "accept_greedy",
+           "accept_sampling", "crop"]
 
 
 class NoDrafter:
@@ -51,39 +42,6 @@ class NoDrafter:
 
     def commit(self, tokens, feats) -> None:
         pass
-
-
-@dataclass
-class Sampler:
-    """Target-side token choice: greedy when temperature == 0, else temperature + optional top-p."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    generator: torch.Generator | None = None
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise UserError(f"temperature={self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top_p={self.top_p}: must be in (0, 1]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [..., V] → the sampling distribution [..., V] (fp32)."""
-        p = torch.softmax(logits.float() / self.temperature, dim=-1)
-        if self.top_p < 1:
-            sp, idx = p.sort(dim=-1, descending=True)
-            keep = sp.cumsum(-1) - sp < self.top_p  # smallest prefix with mass >= top_p
-            sp = sp * keep
-            p = torch.zeros_like(p).scatter(-1, idx, sp)
-            p = p / p.sum(-1, keepdim=True)
-        return p
-
-    def sample(self, p: torch.Tensor) -> int:
-        return int(torch.multinomial(p, 1, generator=self.generator))
 
 
 @dataclass

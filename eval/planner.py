@@ -22,7 +22,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, cli, write_json
+from data.errors import UserError, cli, instantiate, write_json
 
 
 def sync(device: str) -> None:
@@ -95,8 +95,6 @@ def read_acceptance(path: str, drafter: str, set_name: str | None, temperature: 
 @hydra.main(config_path="../conf", config_name="planner", version_base="1.3")
 @cli
 def main(cfg: DictConfig) -> None:
-    from train.build import instantiate
-
     device = cfg.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("device=cuda but no GPU is visible; use device=cpu")

@@ -16,10 +16,9 @@ import torch
 from omegaconf import DictConfig
 
 from data.benchmarks import mt_bench
-from data.errors import cli
+from data.errors import cli, instantiate
 from data.prepare import tokenize_split
 from data.regenerate import generate_batch
-from train.build import instantiate
 
 
 @hydra.main(config_path="../conf", config_name="quickstart", version_base="1.3")

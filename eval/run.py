@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from data.errors import UserError
+from data.errors import UserError, instantiate
 from eval.decoder import GenStats, NoDrafter, Sampler, SpeculativeDecoder
 
 
@@ -76,23 +76,15 @@ class Agg:
 
 def build_drafter(node: Any, target: Any) -> Any:
     """Instantiate a drafter config; factories that take ``target`` get it (trained heads need their target)."""
-    import hydra
-    from hydra.errors import InstantiationException
-
-    try:
-        part = hydra.utils.instantiate(node, _partial_=True, _convert_="all")
-        fn = part.func if hasattr(part, "func") else part
-        takes_target = "target" in inspect.signature(fn).parameters
-        return part(target=target) if takes_target else part()
-    except InstantiationException as e:
-        if isinstance(e.__cause__, UserError):
-            raise e.__cause__ from None
-        raise
+    part = instantiate(node, _partial_=True)
+    fn = part.func if hasattr(part, "func") else part
+    takes_target = "target" in inspect.signature(fn).parameters
+    return part(target=target) if takes_target else part()
 
 
 def load_head(path: str, target: Any) -> Any:
     """A trained draft head exported by ``python -m train`` (``run_dir/draft``)."""
-    from models.heads import load_draft
+    from models.formats import load_draft
 
     head = load_draft(path, target)
     return head.eval()
@@ -117,8 +109,6 @@ def load_model_drafter(path: str, target: Any = None, dtype: str = "float32") ->
 
 def build_sets(cfg: Any) -> list[Any]:
     """The prompt sets of an eval-style config (``eval_set`` group), each capped at ``cfg.limit``."""
-    from train.build import instantiate
-
     sets = []
     for node in (cfg.eval_set or {}).values():
         pset = instantiate(node)

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data.errors import UserError
+
 
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-6):
@@ -198,3 +200,44 @@ def expected_acceptance_length(acc: list[float] | torch.Tensor) -> float:
         run *= float(a)
         total += run
     return total
+
+
+# -- head set-up shared by the families ---------------------------------------------------------------------
+def attention_shape(tc, num_heads: int | None = None, num_kv_heads: int | None = None) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head size) of a target-shaped draft layer: the target config ``tc``'s
+    unless overridden; a UserError when the counts do not fit the hidden size."""
+    d = tc.hidden_size
+    n_heads = num_heads or tc.num_attention_heads
+    n_kv = num_kv_heads or getattr(tc, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(tc, "head_dim", None) or d // n_heads
+    if head_dim * n_heads != d and not getattr(tc, "head_dim", None):
+        raise UserError(f"draft.num_heads={n_heads} does not divide the target's hidden size {d}")
+    if n_heads % n_kv:
+        raise UserError(f"draft.num_heads={n_heads} is not a multiple of num_kv_heads={n_kv}")
+    return n_heads, n_kv, head_dim
+
+
+def frozen_embedding(weight: torch.Tensor) -> nn.Embedding:
+    """A frozen fp32 copy of a target's token embedding ``weight`` [V, d]."""
+    emb = nn.Embedding(*weight.shape)
+    emb.weight.data.copy_(weight.data.float())
+    return emb.requires_grad_(False)
+
+
+def frozen_linear(weight: torch.Tensor) -> nn.Linear:
+    """A frozen fp32 copy of a target's output head ``weight`` [V, d] (no bias)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    lin.weight.data.copy_(weight.data.float())
+    return lin.requires_grad_(False)
+
+
+def copy_final_norm(norm: nn.Module, target) -> bool:
+    """Initialise a draft's final RMSNorm from the target's final norm (the one before its ``lm_head``) when the
+    target exposes it (``target.model.model.norm``) with the same shape; returns whether it did."""
+    final = getattr(getattr(getattr(target, "model", None), "model", None), "norm", None)
+    w = getattr(final, "weight", None)
+    if w is None or w.shape != norm.weight.shape:
+        return False
+    with torch.no_grad():
+        norm.weight.copy_(w.float())
+    return True

@@ -22,7 +22,8 @@ def runs(mask):
         if m and start is None:
             start = i
         if not m and start is not None:
-            out.append((start, i)); start = None
+            out.append((start, i))
+            start = None
     return out
 
 

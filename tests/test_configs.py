@@ -1,7 +1,6 @@
 """Every primary config in conf/ composes, and every file of every group composes inside its primary config."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir

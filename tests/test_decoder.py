@@ -2,8 +2,6 @@
 sampled output follows the target's distribution (chi-square on a tiny vocabulary)."""
 from __future__ import annotations
 
-import itertools
-from pathlib import Path
 
 import hydra
 import pytest

@@ -1,4 +1,4 @@
-"""Serving formats (models/formats.py, python -m train.export): layer-id conventions, export → import round trips,
+"""Serving formats (models/formats/, python -m train.export): layer-id conventions, export → import round trips,
 bad input, and the real client — the speculators library (its own venv) loads our exports and gives our logits.
 
 DFlash and DSpark exports need q/k-normed DFlash layers (every published DFlash layer has them; conf/draft/dflash.yaml
@@ -27,7 +27,7 @@ from data.errors import UserError
 from eval import check_export
 from models import formats
 from models.formats import engine_layer_ids, export_draft, our_layer_ids
-from models.heads import load_draft
+from models.formats import load_draft
 from models.heads.dflash import DFlashHead
 from models.target import FrozenTarget, default_tap_layers
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, tiny_model
 from data.errors import UserError
-from models.heads import load_draft
+from models.formats import load_draft
 from models.target import FrozenTarget, default_tap_layers
 
 DRAFT_CONFIGS = sorted((ROOT / "conf" / "draft").glob("*.yaml"))

@@ -180,7 +180,7 @@ def test_the_two_layouts():
 def test_exports_from_before_the_layout_options_load_unchanged(tmp_path):
     """A default MTP draft exported before shared_module/qk_norm/chain_normed existed (init_args without them) loads
     as the same DeepSeek-V3 head: same parameter names, same loss."""
-    from models.heads import load_draft
+    from models.formats import load_draft
 
     target, head = make_head(CFG, num_modules=2)
     names = [n for n in head.state_dict() if n.startswith("layers.0.")]

@@ -28,14 +28,14 @@ def cache(tmp_path_factory, monkeypatch):
 
 
 def test_train_exports_a_loadable_draft(tiny_target_dir, tiny_chats, tmp_path):
-    from models.heads import load_draft
+    from models.formats import load_draft
     from models.target import FrozenTarget
     from train.__main__ import run
 
     result = run(compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run", steps=4)))
     assert result["global_step"] == 4 and 1.0 <= result["val/acc_len"] <= 4.0
     assert (tmp_path / "run/checkpoints/last.ckpt").exists() and (tmp_path / "run/checkpoints/best.ckpt").exists()
-    assert "draft:" in (tmp_path / "run/checkpoints/config.yaml").read_text()
+    assert "draft:" in (tmp_path / "run/config.yaml").read_text()
     head = load_draft(tmp_path / "run/draft", FrozenTarget(str(tiny_target_dir)))
     assert json.loads((tmp_path / "run/draft/train_config.json").read_text())["trainer"]["max_steps"] == 4
     assert head.num_steps == 3

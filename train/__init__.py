@@ -12,7 +12,7 @@ def cpu_precision() -> str:
 
     bf16 autocast on a CPU with only AVX-512 BF16 is slower than fp32 (``python -m eval.bench_train``
     measured 589 vs 937 tokens/s for EAGLE-3 on this project's 2-core Xeon), so the default follows the
-    hardware rather than the flag alone (DESIGN.md §5).
+    hardware rather than the flag alone (README, "The embedded target").
     """
     try:
         with open("/proc/cpuinfo") as f:

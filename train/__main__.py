@@ -42,7 +42,8 @@ def run(cfg: DictConfig) -> dict:
     module = DraftModule(target, head, **cfg.optim)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_file(ckpt_dir / "config.yaml") as f:  # the resolved config beside every checkpoint
+    # the resolved config at the run's root: inside checkpoints/ it made Lightning warn "exists and is not empty"
+    with atomic_file(run_dir / "config.yaml") as f:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] if cfg.get("callbacks") else []
     logger = instantiate(cfg.logger) if cfg.get("logger") else False

@@ -1,43 +1,19 @@
-"""Build the objects of a training run from a composed config (shared by `python -m train` and `python -m data.features`)."""
+"""Build the objects of a training run from a composed config (``python -m train``, ``eval.bench_train``, tests).
+
+``instantiate`` lives on the ground floor (:mod:`data.errors`) and ``build_target`` with the feature writer
+(:mod:`data.features`); both are re-exported here for the callers that build a whole run."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig
 
-from data.errors import UserError
+from data.errors import UserError, instantiate
+from data.features import build_target, identity_of
 
-
-def instantiate(node: Any, **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate`` that lets our one-line UserErrors through (Hydra wraps them) and names
-    the config node when a constructor rejects its arguments."""
-    from hydra.errors import InstantiationException
-
-    try:
-        return hydra.utils.instantiate(node, _convert_="all", **kwargs)
-    except InstantiationException as e:
-        cause = e.__cause__
-        if isinstance(cause, UserError):
-            raise cause from None
-        if isinstance(cause, TypeError):
-            raise UserError(f"{node.get('_target_')}: {cause}") from None
-        raise
-
-
-def build_target(cfg: DictConfig) -> Any:
-    """The frozen target with the tap layers the head family wants (unless the config names them)."""
-    from models.target import default_tap_layers
-
-    target = instantiate(cfg.target, tap_layers=None)
-    head_cls = hydra.utils.get_class(cfg.draft._target_)
-    taps = cfg.target.tap_layers
-    if taps is None:
-        taps = default_tap_layers(target.num_layers, head_cls.tap_method, cfg.get("n_taps", 5))
-    target.set_tap_layers(list(taps))
-    return target
+__all__ = ["build", "build_target", "instantiate", "resolve_ckpt"]
 
 
 def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
@@ -45,8 +21,6 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     target = build_target(cfg)
     head = instantiate(cfg.draft, target=target)
     dm = instantiate(cfg.data, tokenizer=cfg.target.name_or_path)
-    from data.features import identity_of
-
     dm.expect_identity = identity_of(target)
     return target, head, dm
 

@@ -1,4 +1,7 @@
-"""Draft heads: one interface (`base.DraftHead`), one file per family."""
-from models.heads.base import DraftHead, HeadOutput, load_draft
+"""Draft heads: one interface (``base.DraftHead``), one drafting contract (``drafting``), one file per family.
 
-__all__ = ["DraftHead", "HeadOutput", "load_draft"]
+Loading an exported head (ours or a serving format) is :func:`models.formats.load_draft`."""
+from models.heads.base import DraftHead, HeadOutput
+from models.heads.drafting import Drafter, Proposal, Sampler, draw
+
+__all__ = ["DraftHead", "Drafter", "HeadOutput", "Proposal", "Sampler", "draw"]

@@ -6,12 +6,14 @@ checkpoints and never asks which head it holds. A head declares which target fea
 (``tap_method`` for the default tap layers, ``needs_teacher_logits`` for soft targets).
 
 Export: a directory with ``config.json`` (head class, constructor arguments, target identity, tap
-layers), ``model.safetensors`` and the resolved training config; :func:`load_draft` rebuilds the head
-on a target without Lightning.
+layers), ``model.safetensors`` and the resolved training config; :func:`models.formats.load_draft` rebuilds
+the head on a target without Lightning. Serving formats (:mod:`models.formats`) read a head through
+``decoder_layer`` and ``serving_dims``, which each servable family declares.
+
+Decoding: every head is also a :class:`models.heads.drafting.Drafter` (``start``, ``propose``, ``commit``).
 """
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,33 +97,3 @@ def read_draft_config(path: str | Path) -> dict:
     if cfg.get("format") != FORMAT:
         raise UserError(f"{p}: format {cfg.get('format')!r} is not {FORMAT!r}")
     return cfg
-
-
-def load_draft(path: str | Path, target: Any) -> DraftHead:
-    """Rebuild an exported head on ``target`` (checked against the recorded target identity).
-
-    A directory in a serving format (vLLM speculators, SGLang EAGLE-3, z-lab DFlash) is imported through
-    :mod:`models.formats`: its config becomes ours, its tensors are renamed, its layer ids converted."""
-    from safetensors.torch import load_file
-
-    from models import formats
-
-    foreign = formats.detect_format(path)
-    if foreign:
-        cfg, state = formats.import_draft(path, target)
-    else:
-        cfg = read_draft_config(path)
-    mod, _, name = cfg["class"].rpartition(".")
-    cls = getattr(importlib.import_module(mod), name)
-    target.set_tap_layers(cfg["tap_layers"])  # the draft was trained on these taps
-    head = cls(target=target, **cfg["init_args"])
-    head.target_identity = cfg["target"]
-    head.check_target(target)
-    if foreign:
-        formats.check_import(head, cfg, state)  # what the format fixes but the constructor derives; tensor shapes
-    else:
-        state = load_file(str(Path(path) / "model.safetensors"))
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise UserError(f"{path}/model.safetensors does not match {cfg['class']}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return head

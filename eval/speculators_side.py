@@ -1,6 +1,7 @@
-"""Side script, run by ``.venv-speculators/bin/python`` (torch + speculators 0.9.0, none of our code).
+"""Side script of ``python -m eval.check_export``, run by ``.venv-speculators/bin/python`` (torch + speculators 0.9.0,
+none of our code: it imports nothing of this project).
 
-    python tests/speculators_check.py job.json
+    .venv-speculators/bin/python eval/speculators_side.py job.json
 
 For every case of the job: load the export with speculators' own ``from_pretrained`` (external layouts
 first through speculators' converters: ``Eagle3Converter`` for SGLang EAGLE-3, the DFlash auto-conversion

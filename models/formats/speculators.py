@@ -1,0 +1,290 @@
+"""vLLM's format, defined by the ``speculators`` library (0.9.0).
+
+``config.json`` with ``speculators_model_type``, ``architectures``, ``speculators_version``, ``speculators_config``
+(algorithm, proposal methods, verifier) and ``transformer_layer_config``; ``model.safetensors`` named as that
+library's model classes name their parameters. Families (:data:`FAMILIES`, one row each): EAGLE-3
+(``Eagle3DraftModel``), DFlash (``DFlashDraftModel``), DSpark (``DSparkDraftModel``), MTP (``MTPDraftModel``: one
+Qwen3 layer reused at every depth and fed its own normed output; only an MTP head built in that layout,
+``draft=mtp_speculators``). Layer ids are ``hidden_states`` indices (:mod:`models.formats.layer_ids`).
+
+Each row also says how ``python -m eval.check_export`` runs speculators' forward on the family: which inputs it
+takes, which of our logits it must reproduce, which config fields it must read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from data.errors import UserError
+from models.formats.common import (block_body, block_finish, eagle3_finish, head_dims, layer_config, layer_config_of, need,
+                                   base_config, head_class, arch_expect, rename_in, renamed, require_qk_norm)
+from models.formats.layer_ids import engine_layer_ids, our_layer_ids
+
+NAME = "speculators"
+VERSION = "0.9.0"  # the speculators release whose model classes define the names used here
+# speculators' MTPDraftModel names (mtp_layers.0.<its name>) for our MTPModule parts; the block's own parts keep theirs
+MTP_NAMES = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj", "norm": "final_layernorm"}
+DSPARK_NAMES = {"markov_in.weight": "markov_head.markov_w1.weight", "markov_out.weight": "markov_head.markov_w2.weight",
+                "confidence.weight": "confidence_head.proj.weight", "confidence.bias": "confidence_head.proj.bias"}
+
+
+def detect(raw: dict) -> bool:
+    return "speculators_model_type" in raw
+
+
+def family_of(raw: dict) -> str:
+    return str(raw.get("speculators_model_type"))
+
+
+def verifier_of(raw: dict) -> str | None:
+    return ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+
+
+def _envelope(algorithm: str, arch: str, speculative_tokens: int, verifier: dict) -> dict:
+    return {"architectures": [arch], "speculators_model_type": algorithm, "speculators_version": VERSION,
+            "speculators_config": {"algorithm": algorithm,
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                                   "default_proposal_method": "greedy", "verifier": verifier}}
+
+
+def _speculative_tokens(raw: dict) -> int:
+    methods = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return int(methods[0].get("speculative_tokens") or 3)
+
+
+# -- EAGLE-3 ------------------------------------------------------------------------------------------------
+def _eagle3_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
+    d = head_dims(head)
+    cfg = _envelope("eagle3", "Eagle3Speculator", head.ttt_steps, verifier)
+    cfg.update(transformer_layer_config=layer_config("llama", d, tc, 1, dtype), draft_vocab_size=d["draft_vocab_size"],
+               norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False,
+               embed_requires_grad=False, target_hidden_size=None,
+               eagle_aux_hidden_state_layer_ids=engine_layer_ids(head.tap_layers, NAME))
+    # speculators saves EAGLE-3 drafts with their (frozen) embedding, and its loader relies on it being there:
+    # without it from_pretrained leaves a freshly initialised table instead of the verifier's
+    full_vocab = d["draft_vocab_size"] == d["vocab_size"]  # speculators keeps no d2t/t2d then
+    state = renamed(head.state_dict(), lambda k: None if full_vocab and k in ("d2t", "t2d")
+                    else k.replace("midlayer.", "layers.0.", 1))
+    return cfg, state
+
+
+def _eagle3_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
+    where = "transformer_layer_config"
+    c = layer_config_of(raw)
+    L = target.num_layers
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]  # speculators' default
+    taps = our_layer_ids(ids, NAME, "eagle_aux_hidden_state_layer_ids")
+    state = rename_in({k: v for k, v in state.items() if not k.startswith("verifier_")},  # the verifier's copies
+                      lambda k: k.replace("layers.0.", "midlayer.", 1))
+    return eagle3_finish(raw, c, where, state, target, taps, _speculative_tokens(raw))
+
+
+# -- DFlash / DSpark ----------------------------------------------------------------------------------------
+def _block_export(head: Any, tc: Any, verifier: dict, dtype: str, arch: str, tokens: int, anchor: bool) -> tuple[dict, dict]:
+    require_qk_norm(head, NAME)
+    d = head_dims(head)
+    cfg = _envelope(head.family, arch, tokens, verifier)
+    cfg.update(transformer_layer_config=layer_config("qwen3", d, tc, d["num_hidden_layers"], dtype),
+               draft_vocab_size=d["vocab_size"], block_size=head.block_size, target_hidden_size=None,
+               aux_hidden_state_layer_ids=engine_layer_ids(head.tap_layers, NAME),
+               mask_token_id=head.mask_token_id, sliding_window_non_causal=False, sample_from_anchor=anchor)
+    return cfg, renamed(head.state_dict(), lambda k: DSPARK_NAMES.get(k, block_body(k)))
+
+
+def _dflash_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
+    return _block_export(head, tc, verifier, dtype, "DFlashSpeculator", head.block_size - 1, anchor=False)
+
+
+def _dspark_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
+    cfg, state = _block_export(head, tc, verifier, dtype, "DSparkSpeculator", head.block_size, anchor=True)
+    cfg.update(markov_rank=head_dims(head)["markov_rank"], markov_head_type="vanilla", enable_confidence_head=True,
+               confidence_head_with_markov=True)
+    return cfg, state
+
+
+def _block_import(raw: dict, state: dict, target: Any, anchor: bool) -> tuple[dict, dict]:
+    family, c, where = family_of(raw), layer_config_of(raw), "transformer_layer_config"
+    taps = our_layer_ids(need(raw, "aux_hidden_state_layer_ids", "config"), NAME, "aux_hidden_state_layer_ids")
+    block, mask_id = int(need(raw, "block_size", "config")), need(raw, "mask_token_id", "config")
+    if bool(raw.get("sample_from_anchor", anchor)) != anchor:
+        raise UserError(f"config.sample_from_anchor={raw.get('sample_from_anchor')}: the {family} head here "
+                        f"{'predicts from' if anchor else 'does not predict from'} the anchor slot")
+    return block_finish(raw, c, where, state, target, family, taps, block, mask_id)
+
+
+def _dflash_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
+    return _block_import(raw, state, target, anchor=False)
+
+
+def _dspark_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
+    cfg, state = _block_import(raw, state, target, anchor=True)
+    if raw.get("markov_head_type", "vanilla") != "vanilla":
+        raise UserError(f"config.markov_head_type={raw['markov_head_type']!r}: the DSpark head here has the vanilla Markov head")
+    if not raw.get("enable_confidence_head", True) or not raw.get("confidence_head_with_markov", True):
+        raise UserError("config.enable_confidence_head / confidence_head_with_markov: the DSpark head here has a confidence "
+                        "head on [hidden; Markov embedding]")
+    rank = int(need(raw, "markov_rank", "config"))
+    if rank <= 0:
+        raise UserError(f"config.markov_rank={rank}: the DSpark head here needs a Markov head (rank > 0)")
+    cfg["init_args"]["markov_rank"] = rank
+    cfg["expect"]["markov_rank"] = rank
+    inv = {v: k for k, v in DSPARK_NAMES.items()}
+    return cfg, rename_in(state, lambda k: inv.get(k, k))
+
+
+# -- MTP ------------------------------------------------------------------------------------------------------
+def _mtp_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
+    d = head_dims(head)
+    differs = [why for bad, why in ((d["num_modules"] != 1, f"{d['num_modules']} modules (shared_module)"),
+                                    (not d["qk_norm"], "no q/k norms (qk_norm)"),
+                                    (not d["chain_normed"], "pre-norm states handed on (chain_normed)")) if bad]
+    if differs:
+        raise UserError(f"format=speculators cannot hold this mtp draft: speculators' MTP is one Qwen3 layer reused at every "
+                        f"depth and fed its own normed output, this draft has {', '.join(differs)}; "
+                        f"train it with draft=mtp_speculators")
+    cfg = _envelope("mtp", "MTPDraftModel", head.num_steps, verifier)
+    # speculators' MTP reads hidden_states[transformer_layer_config.num_hidden_layers]: the target's last layer, whose
+    # Hugging Face entry is the final-norm output (our last_state); so the layer config keeps the target's layer count
+    last = engine_layer_ids([int(tc.num_hidden_layers) - 1], NAME)[0]
+    cfg.update(transformer_layer_config=layer_config("qwen3", d, tc, last, dtype), num_nextn_predict_layers=1)
+
+    def rename(k: str) -> str | None:
+        if k in ("embed_tokens.weight", "lm_head.weight"):
+            return None  # speculators always loads the verifier's (ours are frozen copies of them)
+        part, _, rest = k.removeprefix("layers.0.").partition(".")
+        return f"mtp_layers.0.{rest}" if part == "block" else f"mtp_layers.0.{MTP_NAMES[part]}.{rest}"
+
+    return cfg, renamed(head.state_dict(), rename)
+
+
+def _mtp_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
+    from models.target import default_tap_layers
+
+    where = "transformer_layer_config"
+    c = layer_config_of(raw)
+    if c.get("model_type") != "qwen3":
+        raise UserError(f"{where}.model_type={c.get('model_type')!r}: the MTP head here has a Qwen3 layer "
+                        f"(hybrid or MoE MTP layers, e.g. qwen3_next or qwen3_5, are not supported)")
+    if int(raw.get("num_nextn_predict_layers", 1)) != 1:
+        raise UserError(f"config.num_nextn_predict_layers={raw['num_nextn_predict_layers']}: speculators' MTP has one layer")
+    expect = arch_expect(c, where)
+    n = int(need(c, "num_hidden_layers", where))  # the hidden_states index the draft reads (see _mtp_export)
+    if our_layer_ids([n], NAME, f"{where}.num_hidden_layers")[0] != target.num_layers - 1:
+        raise UserError(f"{where}.num_hidden_layers={n}: speculators' MTP reads hidden_states[{n}], but the MTP head here "
+                        f"reads the target's final-norm output, hidden_states[{target.num_layers}]")
+    V = int(need(c, "vocab_size", where))
+    depths = _speculative_tokens(raw)
+    inv = {v: k for k, v in MTP_NAMES.items()}
+
+    def rename(k: str) -> str:
+        if not k.startswith("mtp_layers.0."):
+            return k  # anything else is reported by check_import
+        part, _, rest = k.removeprefix("mtp_layers.0.").partition(".")
+        return f"layers.0.{inv[part]}.{rest}" if part in inv else f"layers.0.block.{k.removeprefix('mtp_layers.0.')}"
+
+    state = rename_in({k: v for k, v in state.items() if not k.startswith(("verifier_", "t2d", "d2t", "embed_tokens", "lm_head"))},
+                      rename)
+    state["embed_tokens.weight"] = target.embed_tokens().weight.detach().float()  # speculators always uses the verifier's
+    state["lm_head.weight"] = target.lm_head().weight.detach().float()
+    own = raw.get("draftsmith") or {}
+    cfg = base_config(own, "mtp")
+    args = cfg["init_args"]
+    if args.get("num_modules", depths) != depths:
+        args["loss_weights"] = None  # one weight per depth: the recorded ones were for another count
+    args.update(num_modules=depths, shared_module=True, qk_norm=True, chain_normed=True, rms_eps=expect["rms_norm_eps"])
+    taps = own.get("tap_layers") if own.get("family") == "mtp" else None  # unused by MTP; kept for a faithful round trip
+    taps = taps or default_tap_layers(target.num_layers, head_class(cfg["class"]).tap_method)
+    expect["vocab_size"] = V
+    return cfg | {"family": "mtp", "tap_layers": taps, "expect": expect, "where": where}, state
+
+
+# -- how speculators' forward is checked against ours (python -m eval.check_export) ------------------------------
+@torch.no_grad()
+def _step_logits(head: Any, target: Any, b: dict, anchors: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Every training-time-test step's / depth's ``lm_head`` output, stacked [K, 1, T', V]."""
+    feats = target(b["input_ids"], return_logits=True)
+    steps = []
+    hook = head.lm_head.register_forward_hook(lambda m, i, o: steps.append(o.detach()))
+    head.training_loss(b, feats)
+    hook.remove()
+    return {"logits": torch.stack(steps)}
+
+
+@torch.no_grad()
+def _block_logits(head: Any, target: Any, b: dict, anchors: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Block logits at ``anchors``, [1, N·blk, V] (DSpark: with its Markov bias, plus the confidence logits)."""
+    ids = b["input_ids"]
+    feats = target(ids, return_logits=True)
+    ok = torch.ones(1, anchors.numel(), dtype=torch.bool)
+    h = head.block_hidden(ids, anchors[None], ok, feats.tap_states)  # [1, N, blk, d]
+    if not hasattr(head, "slot_outputs"):
+        return {"logits": head.lm_head(h).flatten(1, 2)}
+    pos = anchors[:, None] + torch.arange(head.block_size)
+    logits, conf = head.slot_outputs(h, ids[0, pos][None])
+    return {"logits": logits.flatten(1, 2), "confidence": conf.flatten(1)}
+
+
+def _mtp_logits(head: Any, target: Any, b: dict, anchors: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Every depth's logits at the positions whose inputs all lie inside the sequence, as speculators gives them."""
+    out = _step_logits(head, target, b, anchors)
+    return {"logits": out["logits"][:, :, : b["input_ids"].shape[1] - head.num_steps - 1]}
+
+
+def _eagle3_inputs(head: Any, ids: torch.Tensor, anchors: torch.Tensor | None) -> dict:
+    from models.layers import shift_left
+
+    # speculators feeds step 0 the next token (ours shifts inside the head)
+    return {"input_ids": shift_left(ids, 1), "position_ids": torch.arange(ids.shape[1])[None],
+            "ttt_steps": torch.tensor(head.ttt_steps)}
+
+
+def _block_inputs(head: Any, ids: torch.Tensor, anchors: torch.Tensor | None) -> dict:
+    return {"anchors": anchors}
+
+
+def _eagle3_meta(head: Any, target: Any) -> dict:
+    return {"layer_ids": engine_layer_ids(head.tap_layers, NAME), "draft_vocab_size": head.draft_vocab_size}
+
+
+def _block_meta(head: Any, target: Any) -> dict:
+    return {"layer_ids": engine_layer_ids(head.tap_layers, NAME), "block_size": head.block_size,
+            "mask_token_id": head.mask_token_id}
+
+
+def _mtp_meta(head: Any, target: Any) -> dict:
+    # reads the last layer's output; one shared layer; K depths
+    return {"layer_ids": engine_layer_ids([target.num_layers - 1], NAME), "num_nextn_predict_layers": 1,
+            "speculative_tokens": head.num_steps}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family in the speculators format: export, import, and how ``eval.check_export`` compares the two sides."""
+
+    model_class: str                       # speculators' model class
+    export: Callable[..., tuple[dict, dict]]    # (head, target config, verifier entry, dtype) → (config.json, tensors)
+    load: Callable[..., tuple[dict, dict]]      # (raw config, tensors, target) → (our draft config, state in our names)
+    logits: Callable[..., dict]            # (head, target, batch, anchors) → our logits speculators must reproduce
+    inputs: Callable[..., dict]            # (head, ids, anchors) → forward inputs besides the target's features
+    meta: Callable[..., dict]              # (head, target) → config fields speculators must read
+    blocks: bool = False                   # drafts blocks at anchors
+
+
+FAMILIES: dict[str, Family] = {
+    "eagle3": Family("Eagle3DraftModel", _eagle3_export, _eagle3_import, _step_logits, _eagle3_inputs, _eagle3_meta),
+    "dflash": Family("DFlashDraftModel", _dflash_export, _dflash_import, _block_logits, _block_inputs, _block_meta, True),
+    "dspark": Family("DSparkDraftModel", _dspark_export, _dspark_import, _block_logits, _block_inputs, _block_meta, True),
+    "mtp": Family("MTPDraftModel", _mtp_export, _mtp_import, _mtp_logits, lambda head, ids, anchors: {}, _mtp_meta),
+}
+EXPORT = {f: row.export for f, row in FAMILIES.items()}
+
+
+def import_raw(raw: dict, state: dict, target: Any, path: Any) -> tuple[dict, dict]:
+    kind = family_of(raw)
+    if kind not in FAMILIES:
+        raise UserError(f"{path}: speculators_model_type={raw.get('speculators_model_type')!r} cannot be imported; "
+                        f"importable: {', '.join(FAMILIES)}")
+    return FAMILIES[kind].load(raw, state, target)

@@ -1,0 +1,88 @@
+"""The drafting contract: what the speculative decoder (:mod:`eval.decoder`) asks of every drafter.
+
+A drafter (a trained head, the n-gram lookup, a small draft model) implements :class:`Drafter`:
+``start`` after the target's prefill (with the prompt's target features), ``propose`` up to k tokens after
+the pending token, ``commit`` the tokens the target accepted (with their target features). Its
+:class:`Proposal` carries the drafted tokens and, when sampling, the distributions q they were drawn
+from; the decoder's rejection sampling is lossless only if that q is exactly the one each token was drawn
+from. :func:`draw` is the one place that turns draft logits into (token, q) under the decoder's
+:class:`Sampler` (temperature, top-p), so every drafter honours the same settings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from data.errors import UserError
+
+if TYPE_CHECKING:
+    from models.target import TargetOutput
+
+
+@dataclass
+class Sampler:
+    """Token choice of the decoder: greedy when temperature == 0, else temperature + optional top-p."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise UserError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p={self.top_p}: must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] → the sampling distribution [..., V] (fp32)."""
+        p = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1:
+            sp, idx = p.sort(dim=-1, descending=True)
+            keep = sp.cumsum(-1) - sp < self.top_p  # smallest prefix with mass >= top_p
+            sp = sp * keep
+            p = torch.zeros_like(p).scatter(-1, idx, sp)
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+    def sample(self, p: torch.Tensor) -> int:
+        """One token from the distribution p [V]."""
+        return int(torch.multinomial(p, 1, generator=self.generator))
+
+
+def draw(logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft logits [..., V] → (tokens [...] long, q [..., V] or None when greedy).
+
+    Greedy: the argmax, no distribution. Sampling: q = ``sampler.probs(logits)`` (temperature, top-p) and
+    each token drawn from its own row of q; q is what the proposal must report."""
+    if sampler.greedy:
+        return logits.argmax(-1), None
+    q = sampler.probs(logits)
+    flat = q.reshape(-1, q.shape[-1])  # [N, V]
+    tokens = torch.multinomial(flat, 1, generator=sampler.generator).view(q.shape[:-1])
+    return tokens, q
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor                  # [k] drafted token ids
+    probs: torch.Tensor | None = None     # [k, V] the distributions they were drawn from (None: deterministic)
+
+
+class Drafter(Protocol):
+    """What the decoder needs from a drafter (a trained head, n-gram lookup, a small LM...)."""
+
+    def start(self, prompt_ids: torch.Tensor, feats: TargetOutput) -> None: ...
+    def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal: ...
+    def commit(self, tokens: torch.Tensor, feats: TargetOutput) -> None: ...
+
+
+def proposal(tokens: list[int], probs: list[torch.Tensor | None]) -> Proposal:
+    """A proposal from per-token draws (q rows None when greedy)."""
+    qs = [q for q in probs if q is not None]
+    return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(qs) if qs else None)
