@@ -61,6 +61,15 @@ class DraftHead(nn.Module):
         """How many tokens the head drafts per round (the K of the per-step accuracies)."""
         raise NotImplementedError
 
+    # -- serving formats (models.formats) -------------------------------------------------------------
+    def decoder_layer(self) -> nn.Module:
+        """The (first) decoder layer whose sizes an engine config names (``self_attn``, ``mlp``)."""
+        raise NotImplementedError(f"{self.family}: no serving format holds this family")
+
+    def serving_dims(self) -> dict:
+        """Architecture numbers an engine config names beyond the decoder layer's (hidden size, vocabulary, ...)."""
+        return {}
+
     def check_target(self, target: Any) -> None:
         """Raise a UserError when ``target`` is not the one this head was built for."""
         mine, theirs = self.target_identity, target.identity()

@@ -25,7 +25,8 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.layers import MLP, Attention, RMSNorm, Rotary, apply_rotary
+from models.heads.drafting import Proposal, Sampler, draw
+from models.layers import MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, frozen_linear
 from models.target import rope_theta
 
 
@@ -104,9 +105,7 @@ class DFlashHead(DraftHead):
             raise UserError(f"draft.mask_token_id={mask_id}: give the id of a token reserved as MASK "
                             f"(the embedded target has <|mask|>; for other targets pick an unused special token)")
         d = tc.hidden_size
-        n_heads = tc.num_attention_heads
-        n_kv = getattr(tc, "num_key_value_heads", None) or n_heads
-        head_dim = getattr(tc, "head_dim", None) or d // n_heads
+        n_heads, n_kv, head_dim = attention_shape(tc)
         self.block_size, self.num_anchors, self.mask_token_id = block_size, num_anchors, int(mask_id)
         self.gamma = gamma if gamma is not None else {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2)
         n_taps = len(target.tap_layers)
@@ -116,16 +115,20 @@ class DFlashHead(DraftHead):
                                      for _ in range(num_layers)])
         self.norm = RMSNorm(d, rms_eps)
         self.rotary = Rotary(head_dim, rope_theta(tc))
-        self.embed_tokens = nn.Embedding(tc.vocab_size, d)
-        self.embed_tokens.weight.data.copy_(target.embed_tokens().weight.data.float())
-        self.lm_head = nn.Linear(d, tc.vocab_size, bias=False)
-        self.lm_head.weight.data.copy_(target.lm_head().weight.data.float())
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
+        self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
+        self.lm_head = frozen_linear(target.lm_head().weight)              # d → V
 
     @property
     def num_steps(self) -> int:
         return self.block_size - 1
+
+    def decoder_layer(self) -> nn.Module:
+        return self.layers[0]
+
+    def serving_dims(self) -> dict:
+        return {"hidden_size": self.fc.out_features, "rms_norm_eps": self.norm.eps,
+                "num_taps": self.fc.in_features // self.fc.out_features, "vocab_size": self.lm_head.out_features,
+                "num_hidden_layers": len(self.layers)}
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [B, T, n, d_t] → context rows [B, T, d]."""

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.heads.base import HeadOutput
+from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.dflash import DFlashHead, block_targets
 
 
@@ -45,6 +46,9 @@ class DSparkHead(DFlashHead):
     @property
     def num_steps(self) -> int:
         return self.block_size
+
+    def serving_dims(self) -> dict:
+        return super().serving_dims() | {"markov_rank": self.markov_in.embedding_dim}
 
     def slot_outputs(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [..., d] slot states, prev [...] previous tokens → (logits [..., V], confidence logit [...])."""
@@ -81,9 +85,7 @@ class DSparkHead(DFlashHead):
         return HeadOutput(loss=loss, correct=correct, total=total, metrics=metrics)
 
     @torch.no_grad()
-    def propose(self, pending: int, k: int, sampler: Any):
-        from eval.decoder import Proposal
-
+    def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         k = min(k, self.block_size)
         dev = self.fc.weight.device
         block = torch.full((1, k), self.mask_token_id, device=dev)
@@ -96,11 +98,8 @@ class DSparkHead(DFlashHead):
         for j in range(k):
             m = self.markov_in.weight[prev]
             logits = base[j] + self.markov_out(m)
-            if sampler.greedy:
-                t, q = int(logits.argmax()), None
-            else:
-                q = sampler.probs(logits)
-                t = sampler.sample(q)
+            t, q = draw(logits, sampler)
+            t = int(t)
             if self.confidence_threshold > 0:
                 run *= float(torch.sigmoid(self.confidence(torch.cat([h[j], m.to(h.dtype)]))))
                 if j > 0 and run < self.confidence_threshold:
@@ -108,4 +107,4 @@ class DSparkHead(DFlashHead):
             tokens.append(t)
             probs.append(q)
             prev = t
-        return Proposal(torch.tensor(tokens, dtype=torch.long), None if sampler.greedy else torch.stack(probs))
+        return proposal(tokens, probs)

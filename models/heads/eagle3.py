@@ -26,7 +26,9 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.layers import MLP, Attention, RMSNorm, Rotary, shift_left, soft_cross_entropy, ttt_attention
+from models.heads.drafting import Proposal, Sampler, draw, proposal
+from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, shift_left,
+                           soft_cross_entropy, ttt_attention)
 from models.target import rope_theta as target_rope_theta
 
 
@@ -75,19 +77,11 @@ class Eagle3Head(DraftHead):
         tc = target.config
         d, V = tc.hidden_size, tc.vocab_size
         n_taps = len(target.tap_layers)
-        n_heads = num_heads or tc.num_attention_heads
-        n_kv = num_kv_heads or getattr(tc, "num_key_value_heads", None) or n_heads
-        head_dim = getattr(tc, "head_dim", None) or d // n_heads
-        if head_dim * n_heads != d and not getattr(tc, "head_dim", None):
-            raise UserError(f"draft.num_heads={n_heads} does not divide the target's hidden size {d}")
-        if n_heads % n_kv:
-            raise UserError(f"draft.num_heads={n_heads} is not a multiple of num_kv_heads={n_kv}")
+        n_heads, n_kv, head_dim = attention_shape(tc, num_heads, num_kv_heads)
         self.ttt_steps, self.step_decay = ttt_steps, step_decay
         self.draft_vocab_size = min(draft_vocab_size or V, V)
 
-        self.embed_tokens = nn.Embedding(V, d)
-        self.embed_tokens.weight.data.copy_(target.embed_tokens().weight.data.float())
-        self.embed_tokens.requires_grad_(False)
+        self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
         self.fc = nn.Linear(n_taps * d, d, bias=False)
         self.midlayer = Eagle3MidLayer(d, n_heads, n_kv, head_dim, intermediate_size or tc.intermediate_size, rms_eps)
         self.norm = RMSNorm(d, rms_eps)
@@ -105,6 +99,14 @@ class Eagle3Head(DraftHead):
         d2t, t2d = build_draft_vocab(token_counts, self.draft_vocab_size)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+
+    def decoder_layer(self) -> nn.Module:
+        return self.midlayer
+
+    def serving_dims(self) -> dict:
+        return {"hidden_size": self.fc.out_features, "rms_norm_eps": self.norm.eps,
+                "num_taps": self.fc.in_features // self.fc.out_features, "vocab_size": self.t2d.numel(),
+                "draft_vocab_size": self.draft_vocab_size, "num_hidden_layers": 1}
 
     def draft_ids(self) -> torch.Tensor:
         """Target ids of the draft vocabulary, [Vd]."""
@@ -167,19 +169,16 @@ class Eagle3Head(DraftHead):
 
     def _choose(self, logits: torch.Tensor, sampler: Any) -> tuple[int, torch.Tensor | None]:
         """Draft logits [Vd] → (target id, q over the target vocabulary [V] or None when greedy)."""
-        if sampler.greedy:
-            i = int(logits.argmax())
+        t, q = draw(logits, sampler)  # over the draft vocabulary
+        i = int(t)
+        if q is None:
             return i + int(self.d2t[i]), None
-        q = torch.softmax(logits.float() / sampler.temperature, dim=-1)
-        i = int(torch.multinomial(q, 1, generator=sampler.generator))
         full = torch.zeros(self.t2d.numel(), dtype=q.dtype, device=q.device)
         full[self.draft_ids()] = q
         return i + int(self.d2t[i]), full
 
     @torch.no_grad()
-    def propose(self, pending: int, k: int, sampler: Any):
-        from eval.decoder import Proposal
-
+    def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         # 1) extend the context with the pending positions (causal among themselves)
         nxt = torch.cat([self._pending_next, torch.tensor([pending], device=self._pending_next.device)])[None]  # [1, m]
         h = self._pending_h
@@ -209,5 +208,4 @@ class Eagle3Head(DraftHead):
             o = torch.nn.functional.scaled_dot_product_attention(q, ks, vs)
             last_h, lg = self.finish(last_h, o)
             last_logits = lg[0, -1]
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long),
-                        probs=None if sampler.greedy else torch.stack(probs))
+        return proposal(tokens, probs)

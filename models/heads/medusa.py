@@ -17,6 +17,7 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
+from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.layers import lookahead_loss
 
 
@@ -78,15 +79,10 @@ class MedusaHead(DraftHead):
         self._h = feats.last_state[0, -1]
 
     @torch.no_grad()
-    def propose(self, pending: int, k: int, sampler: Any):
-        from eval.decoder import Proposal
-
+    def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         tokens, probs = [], []
         for logits in self.logits(self._h)[:k]:
-            if sampler.greedy:
-                tokens.append(int(logits.argmax()))
-            else:
-                q = sampler.probs(logits)
-                tokens.append(sampler.sample(q))
-                probs.append(q)
-        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+            t, q = draw(logits, sampler)
+            tokens.append(int(t))
+            probs.append(q)
+        return proposal(tokens, probs)

@@ -55,7 +55,9 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.layers import Attention, DecoderLayer, RMSNorm, Rotary, lookahead_loss, shift_left
+from models.heads.drafting import Proposal, Sampler, draw, proposal
+from models.layers import (Attention, DecoderLayer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding,
+                           frozen_linear, lookahead_loss, shift_left)
 from models.target import rope_theta
 
 
@@ -119,30 +121,30 @@ class MTPHead(DraftHead):
             raise UserError(f"draft.loss_weights={loss_weights}: give {num_modules} non-negative weights "
                             f"(one per module, not all zero), or null for 0.8**k")
         tc = target.config
-        d, V = tc.hidden_size, tc.vocab_size
-        n_heads = tc.num_attention_heads
-        n_kv = getattr(tc, "num_key_value_heads", None) or n_heads
-        head_dim = getattr(tc, "head_dim", None) or d // n_heads
+        d = tc.hidden_size
+        n_heads, n_kv, head_dim = attention_shape(tc)
         theta = rope_theta(tc)
         self.loss_weights, self.soft, self.reuse_last_module = weights, soft, reuse_last_module
         self.depths = num_modules  # D: depths trained and proposed (with shared_module, all by one module)
         self.layers = nn.ModuleList([MTPModule(d, n_heads, n_kv, head_dim, tc.intermediate_size, rms_eps, qk_norm, chain_normed)
                                      for _ in range(1 if shared_module else num_modules)])
         self.rotary = Rotary(head_dim, theta)
-        final_norm = getattr(getattr(target.model, "model", None), "norm", None)  # the target's final norm, if found
-        if final_norm is not None and getattr(final_norm, "weight", None) is not None and final_norm.weight.shape == (d,):
-            for m in self.layers:
-                m.norm.weight.data.copy_(final_norm.weight.data.float())
-        self.embed_tokens = nn.Embedding(V, d)
-        self.embed_tokens.weight.data.copy_(target.embed_tokens().weight.data.float())
-        self.lm_head = nn.Linear(d, V, bias=False)
-        self.lm_head.weight.data.copy_(target.lm_head().weight.data.float())
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
+        for m in self.layers:  # each depth's final norm starts as the target's (logits on the target's scale)
+            copy_final_norm(m.norm, target)
+        self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
+        self.lm_head = frozen_linear(target.lm_head().weight)              # d → V
 
     @property
     def num_steps(self) -> int:
         return self.depths
+
+    def decoder_layer(self) -> nn.Module:
+        return self.layers[0].block
+
+    def serving_dims(self) -> dict:
+        m = self.layers[0]
+        return {"hidden_size": m.eh_proj.out_features, "rms_norm_eps": m.norm.eps, "vocab_size": self.lm_head.out_features,
+                "num_modules": len(self.layers), "chain_normed": m.norm_output}
 
     def module(self, depth: int) -> MTPModule:
         """Weights used at depth ``depth`` (1-based): module ``depth``, or the last one beyond D (the only one
@@ -193,9 +195,7 @@ class MTPHead(DraftHead):
         self._rows[0] = torch.cat([self._rows[0], feats.last_state[:1].to(self._rows[0])], 1)
 
     @torch.no_grad()
-    def propose(self, pending: int, k: int, sampler: Any):
-        from eval.decoder import Proposal
-
+    def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         n = self._ids.numel()
         steps = k if self.reuse_last_module else min(k, self.num_steps)
         seq = torch.cat([self._ids, self._ids.new_tensor([pending])])  # x_0..x_n, then the drafts as they come
@@ -218,15 +218,12 @@ class MTPHead(DraftHead):
             known_prev = n if j == 1 else max(0, n - j + 2)
             self._rows[j - 1] = prev[:, known - c: known_prev - c]  # depth j-1 states depth j has not cached yet
             logits = self.logits(j, out[0, -1])  # position n-1 predicts x_{n+j}
-            if sampler.greedy:
-                t = int(logits.argmax())
-            else:
-                q = sampler.probs(logits)
-                t = sampler.sample(q)
-                probs.append(q)
+            t, q = draw(logits, sampler)
+            t = int(t)
             tokens.append(t)
+            probs.append(q)
             seq = torch.cat([seq, seq.new_tensor([t])])
             last, last_c, last_known = j, c, known
         if tokens and (last < self.num_steps or self.reuse_last_module):  # keep the deepest run's known states for depth last+1
             self._rows[last] = torch.cat([self._rows[last], out[:, : last_known - last_c]], 1)
-        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+        return proposal(tokens, probs)
