@@ -61,6 +61,14 @@ class DraftHead(nn.Module):
         """How many tokens the head drafts per round (the K of the per-step accuracies)."""
         raise NotImplementedError
 
+    def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
+        """What decoding must reproduce: the training forward's logits [steps, V] (target vocabulary; −inf
+        where the head cannot draft) for tokens ``at+2 .. at+1+steps`` of ``ids`` [1, T], teacher-forced
+        on ``ids`` itself. Positions ``<= at`` are the committed context (``feats`` from one target forward
+        over ``ids``), ``at+1`` the pending token and the rest the drafts. Used by the decode-equals-train
+        test of every head (tests/test_decode_equals_train.py)."""
+        raise NotImplementedError
+
     # -- serving formats (models.formats) -------------------------------------------------------------
     def decoder_layer(self) -> nn.Module:
         """The (first) decoder layer whose sizes an engine config names (``self_attn``, ``mlp``)."""

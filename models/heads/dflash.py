@@ -12,11 +12,11 @@
   not trained; CE weighted ``exp(−(k−1)/γ)``.
 - Decoding: the context K/V of committed tokens is cached per layer and extended after each round; one
   forward per round proposes up to B−1 tokens (the decoder then verifies them like any draft).
-Train with the larger block: shrinking B at inference is safe, growing it is not.
+Decoding always runs the whole trained block and keeps the first k slots (attention inside a block is
+bidirectional: a shorter block of MASKs is another input). Train with the largest block you decode with.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -114,6 +114,7 @@ class DFlashHead(DraftHead):
         self.layers = nn.ModuleList([DFlashLayer(d, n_heads, n_kv, head_dim, tc.intermediate_size, rms_eps, qk_norm)
                                      for _ in range(num_layers)])
         self.norm = RMSNorm(d, rms_eps)
+        copy_final_norm(self.norm, target)  # feeds the target's frozen head: start from the target's final norm
         self.rotary = Rotary(head_dim, rope_theta(tc))
         self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
         self.lm_head = frozen_linear(target.lm_head().weight)              # d → V
@@ -164,6 +165,14 @@ class DFlashHead(DraftHead):
         h = self.run_block(block_ids.flatten(1), pos.flatten(1), ctx_kv, block_mask(anchors, ok, T, blk))
         return h.view(Bt, N, blk, -1)
 
+    def anchored_hidden(self, ids: torch.Tensor, feats: Any, at: int) -> torch.Tensor:
+        """The training forward of one block anchored at the pending position ``at+1`` → final hidden [blk, d]."""
+        anchors = torch.tensor([[at + 1]], device=ids.device)
+        return self.block_hidden(ids, anchors, torch.ones_like(anchors, dtype=torch.bool), feats.tap_states)[0, 0]
+
+    def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
+        return self.lm_head(self.anchored_hidden(ids, feats, at))[1: 1 + steps].float()  # slot k: token at+1+k
+
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
@@ -193,24 +202,28 @@ class DFlashHead(DraftHead):
             self._kv[i] = (k, v) if ck is None else (torch.cat([ck, k], 2), torch.cat([cv, v], 2))
         self._n += m
 
+    @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
         self._kv, self._n = [(None, None)] * len(self.layers), 0
         self._extend(feats.tap_states)
 
+    @torch.no_grad()
     def commit(self, tokens: torch.Tensor, feats: Any) -> None:
         self._extend(feats.tap_states)
 
-    @torch.no_grad()
-    def propose(self, pending: int, k: int, sampler: Any):
-        from eval.decoder import Proposal
-
-        k = min(k, self.block_size - 1)
+    def _full_block(self, pending: int) -> torch.Tensor:
+        """Final hidden [block_size, d] of ``[pending, MASK×(B−1)]`` after the committed context: always the whole
+        block, as in training (attention inside a block is bidirectional, so a shorter block of MASKs is another
+        input and gives other states); a draft of k tokens keeps the first k slots."""
         dev = self.fc.weight.device
-        block = torch.full((1, k + 1), self.mask_token_id, device=dev)
+        block = torch.full((1, self.block_size), self.mask_token_id, device=dev)
         block[0, 0] = pending
-        pos = torch.arange(self._n, self._n + k + 1, device=dev)[None]
-        logits = self.lm_head(self.run_block(block, pos, self._kv, None))[0, 1:]  # [k, V]
-        if sampler.greedy:
-            return Proposal(logits.argmax(-1))
-        q = sampler.probs(logits)
-        return Proposal(torch.multinomial(q, 1, generator=sampler.generator).view(-1), q)
+        pos = torch.arange(self._n, self._n + self.block_size, device=dev)[None]
+        return self.run_block(block, pos, self._kv, None)[0]
+
+    @torch.no_grad()
+    def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
+        k = min(k, self.block_size - 1)
+        logits = self.lm_head(self._full_block(pending)[1: 1 + k])  # [k, V]
+        tokens, q = draw(logits, sampler)  # [k], [k, V] or None
+        return Proposal(tokens, q)

@@ -57,6 +57,11 @@ class DSparkHead(DFlashHead):
         conf = self.confidence(torch.cat([h, m.to(h.dtype)], -1)).squeeze(-1)
         return logits, conf
 
+    def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
+        h = self.anchored_hidden(ids, feats, at)[:steps]  # slot k (position at+1+k) predicts token at+2+k
+        prev = ids[0, at + 1: at + 1 + steps]  # x_{k-1}: the pending token, then the drafts
+        return self.slot_outputs(h, prev)[0].float()
+
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
@@ -87,11 +92,7 @@ class DSparkHead(DFlashHead):
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         k = min(k, self.block_size)
-        dev = self.fc.weight.device
-        block = torch.full((1, k), self.mask_token_id, device=dev)
-        block[0, 0] = pending
-        pos = torch.arange(self._n, self._n + k, device=dev)[None]
-        h = self.run_block(block, pos, self._kv, None)[0]  # [k, d]
+        h = self._full_block(pending)[:k]  # [k, d]: the whole block as in training, its first k slots
         base = self.lm_head(h)  # [k, V]
         prev, run = pending, 1.0
         tokens, probs = [], []

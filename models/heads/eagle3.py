@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from data.errors import UserError
@@ -68,10 +67,10 @@ class Eagle3Head(DraftHead):
 
     def __init__(self, target: Any, ttt_steps: int = 7, draft_vocab_size: int | None = 32000, step_decay: float = 0.8,
                  num_heads: int | None = None, num_kv_heads: int | None = None, intermediate_size: int | None = None,
-                 rope_theta: float | None = None, rms_eps: float = 1e-6):
+                 rope_theta: float | None = None, rms_eps: float = 1e-6, freeze_lm_head: bool = False):
         super().__init__(target, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, step_decay=step_decay,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
-                         rope_theta=rope_theta, rms_eps=rms_eps)
+                         rope_theta=rope_theta, rms_eps=rms_eps, freeze_lm_head=freeze_lm_head)
         if ttt_steps < 1:
             raise UserError(f"draft.ttt_steps={ttt_steps}: must be >= 1")
         tc = target.config
@@ -85,20 +84,21 @@ class Eagle3Head(DraftHead):
         self.fc = nn.Linear(n_taps * d, d, bias=False)
         self.midlayer = Eagle3MidLayer(d, n_heads, n_kv, head_dim, intermediate_size or tc.intermediate_size, rms_eps)
         self.norm = RMSNorm(d, rms_eps)
+        copy_final_norm(self.norm, target)  # the draft's final norm feeds rows of the target's head: start from its norm
         self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
         self.rotary = Rotary(head_dim, rope_theta or target_rope_theta(tc))
         d2t, t2d = build_draft_vocab(torch.ones(V), self.draft_vocab_size)  # identity-like until data is seen
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
+        # lm_head starts as the target's head restricted to the draft vocabulary (as speculators does); the rows are
+        # chosen again when prepare_from_data fixes the vocabulary. A plain tensor reference: not a parameter/buffer.
+        self.__dict__["_target_head"] = target.lm_head().weight.detach()  # [V, d]
+        self.init_lm_head_from_target()
+        self.lm_head.requires_grad_(not freeze_lm_head)
 
     @property
     def num_steps(self) -> int:
         return self.ttt_steps
-
-    def prepare_from_data(self, token_counts: torch.Tensor) -> None:
-        d2t, t2d = build_draft_vocab(token_counts, self.draft_vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
 
     def decoder_layer(self) -> nn.Module:
         return self.midlayer
@@ -107,6 +107,19 @@ class Eagle3Head(DraftHead):
         return {"hidden_size": self.fc.out_features, "rms_norm_eps": self.norm.eps,
                 "num_taps": self.fc.in_features // self.fc.out_features, "vocab_size": self.t2d.numel(),
                 "draft_vocab_size": self.draft_vocab_size, "num_hidden_layers": 1}
+
+    def prepare_from_data(self, token_counts: torch.Tensor) -> None:
+        d2t, t2d = build_draft_vocab(token_counts, self.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.init_lm_head_from_target()
+
+    def init_lm_head_from_target(self) -> None:
+        """lm_head ← the target's lm_head rows of the draft vocabulary (a no-op on a head built from an export)."""
+        w = self.__dict__.get("_target_head")
+        if w is not None and w.shape == (self.t2d.numel(), self.lm_head.in_features):
+            with torch.no_grad():
+                self.lm_head.weight.copy_(w[self.draft_ids().to(w.device)].to(self.lm_head.weight))
 
     def draft_ids(self) -> torch.Tensor:
         """Target ids of the draft vocabulary, [Vd]."""
@@ -125,26 +138,40 @@ class Eagle3Head(DraftHead):
         h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
         return h, self.lm_head(self.norm(h))
 
-    def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
-        ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
-        valid = batch.get("attention_mask", torch.ones_like(ids))
+    def unroll(self, ids: torch.Tensor, valid: torch.Tensor, tap_states: torch.Tensor, steps: int):
+        """The training-time-test forward: yields step j's draft logits [B, T, Vd] for j < ``steps``; at step j
+        position t reads token ``ids[t+1+j]`` and predicts token t+2+j (what decoding's chain computes with
+        the drafts as the following tokens)."""
         B, T = ids.shape
-        taps = feats.tap_states  # [B, T, n_taps, d]
-        hidden = self.fc(taps.flatten(-2).to(self.fc.weight.dtype))  # [B, T, d]
-        t_logits = feats.logits  # [B, T, V] target logits
-        t_top = t_logits.argmax(-1)  # [B, T]
-        t_probs = torch.softmax(t_logits[..., self.draft_ids()].float(), dim=-1)  # [B, T, Vd] on the draft vocabulary
-        in_vocab = self.t2d[t_top]  # [B, T]
+        hidden = self.fc(tap_states.flatten(-2).to(self.fc.weight.dtype))  # [B, T, d]
         base_pos = torch.arange(T, device=ids.device).expand(B, T)
         keys, values = [], []
-        loss = hidden.new_zeros(())
-        correct = torch.zeros(self.ttt_steps, device=ids.device)
-        total = torch.zeros(self.ttt_steps, device=ids.device)
-        for j in range(self.ttt_steps):
+        for j in range(steps):
             q, k, v = self.step(hidden, shift_left(ids, 1 + j), base_pos + j)
             keys.append(k)
             values.append(v)
             hidden, logits = self.finish(hidden, ttt_attention(q, keys, values, key_valid=valid))
+            yield logits
+
+    def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
+        """[steps, V] logits over the target vocabulary (−inf outside the draft vocabulary) of the training
+        forward at position ``at`` (see :meth:`DraftHead.teacher_forced_logits`)."""
+        out = torch.full((steps, self.t2d.numel()), float("-inf"), device=ids.device)
+        for j, logits in enumerate(self.unroll(ids, torch.ones_like(ids), feats.tap_states, steps)):
+            out[j, self.draft_ids()] = logits[0, at].float()
+        return out
+
+    def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
+        valid = batch.get("attention_mask", torch.ones_like(ids))
+        t_logits = feats.logits  # [B, T, V] target logits
+        t_top = t_logits.argmax(-1)  # [B, T]
+        t_probs = torch.softmax(t_logits[..., self.draft_ids()].float(), dim=-1)  # [B, T, Vd] on the draft vocabulary
+        in_vocab = self.t2d[t_top]  # [B, T]
+        loss = t_probs.new_zeros(())
+        correct = torch.zeros(self.ttt_steps, device=ids.device)
+        total = torch.zeros(self.ttt_steps, device=ids.device)
+        for j, logits in enumerate(self.unroll(ids, valid, feats.tap_states, self.ttt_steps)):
             w = step_weights(loss_mask, in_vocab, valid, j)  # [B, T]
             p = shift_left(t_probs, 1 + j)  # [B, T, Vd]
             loss = loss + (self.step_decay ** j) * soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
@@ -155,6 +182,7 @@ class Eagle3Head(DraftHead):
         return HeadOutput(loss=loss, correct=correct, total=total)
 
     # -- inference (the decoder's Drafter protocol) ----------------------------------------------
+    @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
         """After prefill: the prompt's tap states become pending context (each still needs its next token)."""
         self._ctx_k = self._ctx_v = None  # step-0 keys/values of processed context [1, H, Tc, hd]
@@ -162,6 +190,7 @@ class Eagle3Head(DraftHead):
         self._pending_h = self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))  # [1, m, d]
         self._pending_next = prompt_ids.view(-1)[1:]  # next token of each pending position but the last
 
+    @torch.no_grad()
     def commit(self, tokens: torch.Tensor, feats: Any) -> None:
         """Accepted tokens ``[x, d_1..d_n]`` and their target features become pending context."""
         self._pending_h = self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))

@@ -59,6 +59,9 @@ class MedusaHead(DraftHead):
         h = h.to(self.heads[0].weight.dtype)
         return [head(block(h)) for block, head in zip(self.blocks, self.heads)]
 
+    def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
+        return torch.stack([lg[0, at] for lg in self.logits(feats.last_state)[:steps]]).float()
+
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))

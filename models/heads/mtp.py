@@ -159,19 +159,28 @@ class MTPHead(DraftHead):
         """Depth-``depth`` output [..., d] → logits [..., V] through the module's norm and the frozen head."""
         return self.lm_head(self.module(depth).head_input(h))
 
+    def depth_logits(self, ids: torch.Tensor, last_state: torch.Tensor, steps: int):
+        """The teacher-forced training forward: yields depth j+1's logits [B, T, V] for j < ``steps``
+        (position t reads token t+1+j, predicts t+2+j)."""
+        B, T = ids.shape
+        cos, sin = self.rotary(torch.arange(T, device=ids.device).expand(B, T))
+        h = last_state.to(self.eh_dtype)  # [B, T, d] depth 0
+        for j in range(steps):
+            h, _, _ = self.module(j + 1)(h, self.embed_tokens(shift_left(ids, 1 + j)), cos, sin)  # [B, T, d]
+            yield self.logits(j + 1, h)  # [B, T, V]
+
+    def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
+        return torch.stack([lg[0, at] for lg in self.depth_logits(ids, feats.last_state, steps)]).float()
+
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
         B, T = ids.shape
         K = self.num_steps
         t_top = feats.logits.argmax(-1)  # [B, T] the target's next-token guess at each position
-        cos, sin = self.rotary(torch.arange(T, device=ids.device).expand(B, T))
-        h = feats.last_state.to(self.eh_dtype)  # [B, T, d] depth 0
-        loss = h.new_zeros(())
+        loss = feats.last_state.new_zeros((), dtype=self.eh_dtype)
         correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
-        for j in range(K):  # depth j+1: position t reads token t+1+j, predicts t+2+j
-            h, _, _ = self.module(j + 1)(h, self.embed_tokens(shift_left(ids, 1 + j)), cos, sin)  # [B, T, d]
-            logits = self.logits(j + 1, h)  # [B, T, V]
+        for j, logits in enumerate(self.depth_logits(ids, feats.last_state, K)):
             lj, correct[j], total[j] = lookahead_loss(logits, ids, loss_mask, valid, feats.logits, t_top, 1 + j, self.soft)
             loss = loss + self.loss_weights[j] * lj
         return HeadOutput(loss=loss, correct=correct, total=total)
