@@ -20,8 +20,14 @@ from train.schedule import warmup_cosine
 
 class DraftModule(L.LightningModule):
     def __init__(self, target: Any, head: Any, lr: float = 3e-4, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), warmup_ratio: float = 0.04, min_lr_ratio: float = 0.0):
+                 betas: tuple[float, float] = (0.9, 0.95), warmup_ratio: float = 0.04, min_lr_ratio: float = 0.0,
+                 feature_noise_std: float = 0.0):
         super().__init__()
+        if not isinstance(feature_noise_std, (int, float)) or not 0 <= feature_noise_std < float("inf"):
+            from data.errors import UserError
+
+            raise UserError(f"optim.feature_noise_std={feature_noise_std}: must be a number >= 0")
+        self.feature_noise_std = float(feature_noise_std)  # Gaussian noise on the target features, training steps only
         self.target, self.head = target, head
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_ratio, self.min_lr_ratio = warmup_ratio, min_lr_ratio
@@ -50,7 +56,10 @@ class DraftModule(L.LightningModule):
             return self.target(batch["input_ids"], attention_mask=batch["attention_mask"], return_logits=need_logits)
 
     def _step(self, batch: dict[str, torch.Tensor]):
-        return self.head.training_loss(batch, self.features(batch))
+        feats = self.features(batch)
+        if self.training and self.feature_noise_std > 0:
+            feats = with_feature_noise(feats, self.feature_noise_std)
+        return self.head.training_loss(batch, feats)
 
     # -- loops ----------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], _: int) -> torch.Tensor:
@@ -105,3 +114,12 @@ class DraftModule(L.LightningModule):
     def on_load_checkpoint(self, ckpt: dict) -> None:
         self._time_before = float(ckpt.get("train_time_s", 0.0))
         self.train_tokens = int(ckpt.get("train_tokens", 0))
+
+
+def with_feature_noise(feats: TargetOutput, std: float) -> TargetOutput:
+    """The head's inputs (tap states, last state) plus N(0, std²) noise; the teacher's logits stay clean
+    (speculators trains EAGLE-3 with std 0.05: the draft learns to cope with features that are not exact)."""
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return x + std * torch.randn_like(x)
+
+    return TargetOutput(tap_states=noisy(feats.tap_states), last_state=noisy(feats.last_state), logits=feats.logits)
