@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from data.chat import TRUNCATION_POLICIES, tokenize_conversation
 from data.conversations import load_conversations
-from data.errors import UserError, cli
+from data.errors import UserError, cli, run_main
 
 
 def tokenize_split(tokenizer, source: str = "sharegpt", split: str = "train", heldout_fraction: float = 0.02,
@@ -25,6 +25,9 @@ def tokenize_split(tokenizer, source: str = "sharegpt", split: str = "train", he
     ds = load_conversations(source, split, heldout_fraction, verbose=verbose)
     if max_conversations:
         ds = ds.select(range(min(max_conversations, len(ds))))
+    if len(ds) == 0:
+        raise UserError(f"{source}: its {split} split is empty (heldout_fraction={heldout_fraction} of the conversations, "
+                        "chosen by a hash of their id); give more conversations or a larger heldout_fraction")
 
     def encode(batch):
         ids, masks, keep = [], [], []
@@ -62,4 +65,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

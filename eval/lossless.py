@@ -1,0 +1,64 @@
+"""Is a greedy speculative generation the target's own? Identical, a numerical tie, or a defect.
+
+Verifying 1+k tokens in one forward and decoding one token at a time run different kernels (other
+blockings, other reduction orders). In float32 they agree to ~1e-6 and greedy output is identical; in
+bfloat16 or float16 every op rounds to 8 (11) significant bits, the logits of the two paths differ by a
+few units in the last place (ulp) of their own scale, and where the target's top two tokens are that
+close the argmax can flip. Such a flip is a property of the arithmetic, not of the decoder.
+
+A divergence is classified at its *first* position ``i`` (the outputs agree before it, so both runs saw
+the same context), using the plain run's logits there:
+- *numerical tie*: the speculative token is among the plain run's top tokens and its logit is within
+  ``tie_bound`` of the plain top-1 logit;
+- *defect*: anything else (a wrong acceptance rule, a cache bug, a drafter leaking into the output).
+
+``tie_bound = ulps · eps(dtype) · max(|top-1 logit|, 1)``: ``eps`` is the dtype's machine epsilon (bf16
+2^-7, fp16 2^-10, fp32 2^-23), so the bound is ``ulps`` units in the last place of the logit's magnitude.
+The default of 16 ulps covers the rounding of the last ops (the final norm and ``lm_head``, each off by
+up to an ulp of its output) and what 30 layers of rounded hidden states add on top; ``python -m
+eval.bench_ties`` measures the actual verify-vs-step logit differences on a target so the bound can be
+checked against data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_TIE_ULPS = 16.0
+
+
+def tie_bound(dtype: torch.dtype, top_logit: float, ulps: float = DEFAULT_TIE_ULPS) -> float:
+    """The largest top-1/second logit margin that reduced-precision arithmetic can flip."""
+    return ulps * torch.finfo(dtype).eps * max(abs(top_logit), 1.0)
+
+
+@dataclass
+class Verdict:
+    kind: str                  # "identical" | "tie" | "defect"
+    position: int | None = None  # first divergent new token
+    margin: float | None = None  # plain top-1 logit minus the logit of the speculative token (None: not in the top)
+    bound: float | None = None
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "position": self.position,
+                "margin": None if self.margin is None else round(self.margin, 6),
+                "bound": None if self.bound is None else round(self.bound, 6)}
+
+
+def classify(plain: list[int], spec: list[int], plain_top: list[tuple[list[int], list[float]]], dtype: torch.dtype,
+             ulps: float = DEFAULT_TIE_ULPS) -> Verdict:
+    """Compare a speculative greedy output with plain decoding's; ``plain_top[i]``: the plain run's top
+    (ids, logits) at new token i (``SpeculativeDecoder.generate(record_top=...)``)."""
+    if spec == plain:
+        return Verdict("identical")
+    n = min(len(plain), len(spec))
+    i = next((j for j in range(n) if plain[j] != spec[j]), n)
+    if i >= n or i >= len(plain_top):  # one output is a strict prefix of the other: never a rounding effect
+        return Verdict("defect", position=i)
+    ids, logits = plain_top[i]
+    bound = tie_bound(dtype, logits[0], ulps)
+    if spec[i] not in ids:
+        return Verdict("defect", position=i, bound=bound)
+    margin = logits[0] - logits[ids.index(spec[i])]
+    return Verdict("tie" if margin <= bound else "defect", position=i, margin=margin, bound=bound)
