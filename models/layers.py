@@ -221,6 +221,7 @@ def frozen_embedding(weight: torch.Tensor) -> nn.Embedding:
     """A frozen fp32 copy of a target's token embedding ``weight`` [V, d]."""
     emb = nn.Embedding(*weight.shape)
     emb.weight.data.copy_(weight.data.float())
+    emb.from_target = True  # rebuilt from the target on load: exports leave it out (DraftHead.target_copies)
     return emb.requires_grad_(False)
 
 
@@ -228,6 +229,7 @@ def frozen_linear(weight: torch.Tensor) -> nn.Linear:
     """A frozen fp32 copy of a target's output head ``weight`` [V, d] (no bias)."""
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     lin.weight.data.copy_(weight.data.float())
+    lin.from_target = True  # rebuilt from the target on load: exports leave it out (DraftHead.target_copies)
     return lin.requires_grad_(False)
 
 

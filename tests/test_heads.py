@@ -79,6 +79,19 @@ def test_export_load_round_trip(cfg_path, tmp_path):
     a = head.training_loss(b, feats).loss
     torch.manual_seed(0)
     assert torch.equal(a, loaded.training_loss(b, feats).loss)
+    # frozen copies of the target's tensors are not stored: the loader rebuilds them from the target
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "draft" / "model.safetensors"), framework="pt") as f:
+        stored = set(f.keys())
+    assert not stored & set(head.target_copies())
+    assert stored | set(head.target_copies()) == set(head.state_dict())
+    # a bf16 export loads into the fp32 head with bf16-rounded weights
+    head.export(tmp_path / "bf16", dtype=torch.bfloat16)
+    half = load_draft(tmp_path / "bf16", target)
+    for k, v in head.state_dict().items():
+        w = v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() and k not in head.target_copies() else v
+        assert torch.equal(half.state_dict()[k], w), k
 
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)

@@ -65,8 +65,13 @@ def load_draft(path: str | Path, target: Any) -> DraftHead:
     if foreign:
         check_import(head, cfg, state)  # what the format fixes but the constructor derives; tensor shapes
     else:
-        state = load_file(str(Path(path) / "model.safetensors"))
+        try:
+            state = load_file(str(Path(path) / "model.safetensors"))
+        except Exception as e:  # truncated, not safetensors, missing: one line naming the file
+            raise UserError(f"{Path(path) / 'model.safetensors'}: unreadable weights ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else 'damaged'})") from None
     missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in set(cfg.get("from_target") or [])]  # rebuilt from the target
     if missing or unexpected:
         raise UserError(f"{path}/model.safetensors does not match {cfg['class']}: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return head

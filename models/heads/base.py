@@ -87,14 +87,24 @@ class DraftHead(nn.Module):
                                 f"but the target is {theirs.get('name_or_path')!r} ({k}={theirs.get(k)})")
 
     # -- export ---------------------------------------------------------------------------------
-    def export(self, out_dir: str | Path, train_config: dict | None = None) -> Path:
-        """Write config.json + model.safetensors (+ train_config.json) atomically."""
+    def target_copies(self) -> list[str]:
+        """State-dict keys that are frozen copies of the target's own tensors (``models.layers.frozen_embedding`` /
+        ``frozen_linear``): the constructor rebuilds them from the target, so our exports leave them out (for
+        SmolLM2 the embedding alone is 28M parameters, three times the trained head)."""
+        return [f"{name}.{k}" if name else k for name, m in self.named_modules() if getattr(m, "from_target", False)
+                for k in m.state_dict()]
+
+    def export(self, out_dir: str | Path, train_config: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+        """Write config.json + model.safetensors (+ train_config.json) atomically; ``dtype`` casts floating
+        tensors (bf16 halves a shipped draft; loading casts back to the head's own dtype)."""
         from safetensors.torch import save_file
 
+        skip = set(self.target_copies())
         cfg = {"format": FORMAT, "family": self.family, "class": f"{type(self).__module__}.{type(self).__qualname__}",
                "init_args": self.init_args, "target": self.target_identity, "tap_layers": self.tap_layers,
-               "num_steps": self.num_steps}
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+               "num_steps": self.num_steps, "from_target": sorted(skip)}
+        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+                 for k, v in self.state_dict().items() if k not in skip}
         with atomic_dir(out_dir) as tmp:
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
