@@ -16,6 +16,9 @@ CONF = ROOT / "conf"
 
 
 def composed(name: str, overrides: list[str], run_dir) -> OmegaConf:
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()  # a failed in-process Hydra run elsewhere may leave it initialised
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose(name, overrides=overrides)
     OmegaConf.set_struct(cfg, False)
