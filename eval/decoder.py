@@ -56,6 +56,7 @@ class GenStats:
     t_verify: float = 0.0
     t_prefill: float = 0.0
     t_total: float = 0.0
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per new token: the target's top ids/logits (record_top)
 
     def add_round(self, proposed: int, accepted: int) -> None:
         self.passes += 1
@@ -109,8 +110,11 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, drafter: Drafter, k: int = 5, max_new_tokens: int = 128,
-                 sampler: Sampler | None = None) -> tuple[list[int], GenStats]:
-        """prompt_ids [T] or [1, T] → (new token ids, stats). Stops at EOS (included) or exactly max_new_tokens."""
+                 sampler: Sampler | None = None, record_top: int = 0) -> tuple[list[int], GenStats]:
+        """prompt_ids [T] or [1, T] → (new token ids, stats). Stops at EOS (included) or exactly max_new_tokens.
+
+        ``record_top`` > 0 (greedy only): keep, for every new token, the target's top ``record_top`` ids and
+        logits at the position that chose it (``stats.top``), so a divergence can be told from a near-tie."""
         from transformers import DynamicCache
 
         if k < 0:
@@ -127,6 +131,8 @@ class SpeculativeDecoder:
         first = int(logits[0].argmax()) if sampler.greedy else sampler.sample(sampler.probs(logits[0]))
         drafter.start(ids, out)
         stats.t_prefill = time.perf_counter() - t0
+        if record_top and sampler.greedy:
+            _record_top(stats, logits, 1, record_top)
         new = [first]
         cached = ids.shape[1]  # tokens in the target cache
         while len(new) < max_new_tokens and new[-1] not in self.eos:
@@ -153,6 +159,8 @@ class SpeculativeDecoder:
             stats.add_round(draft.numel(), n)
             produced = accepted + ([nxt] if stop is None else [])
             stats.verified_tokens += len(produced)
+            if record_top and sampler.greedy:
+                _record_top(stats, vlogits, len(produced), record_top)
             new += produced
             stats.t_draft += t2 - t1
             stats.t_verify += t3 - t2
@@ -164,6 +172,12 @@ class SpeculativeDecoder:
         stats.new_tokens = len(new)
         stats.t_total = time.perf_counter() - t0
         return new, stats
+
+
+def _record_top(stats: GenStats, logits: torch.Tensor, n: int, top: int) -> None:
+    """Append the top ``top`` (ids, logits) of the first ``n`` rows of ``logits`` [>=n, V] to ``stats.top``."""
+    vals, idx = logits[:n].float().topk(top, dim=-1)  # [n, top]
+    stats.top.extend(zip(idx.tolist(), vals.tolist()))
 
 
 def crop(cache: Any, length: int) -> None:

