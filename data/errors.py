@@ -25,6 +25,8 @@ def cli(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        global _task_started
+        _task_started = True
         try:
             return fn(*args, **kwargs)
         except UserError as e:
@@ -32,6 +34,36 @@ def cli(fn: F) -> F:
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
+
+
+_task_started = False  # set by cli's wrapper: an exception raised before it is Hydra's (composing the config)
+
+
+def run_main(main: Callable[[], Any]) -> Any:
+    """Run a ``@hydra.main`` entry point (``if __name__ == "__main__": run_main(main)``) so that a config that
+    does not compose (an unknown key, a malformed override, a missing group option) is one ``error:`` line
+    and exit code 2 like every UserError, not Hydra's multi-line report with exit code 1."""
+    global _task_started
+    _task_started = False
+    old = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing and exiting
+    try:
+        return main()
+    except Exception as e:
+        if _task_started:
+            raise  # a failure inside the command: a bug, reported with its traceback
+        lines = [l.strip().rstrip(".") for l in str(e).splitlines() if l.strip()]
+        cause = e.__cause__
+        if cause is not None and str(cause).strip():
+            lines.append(str(cause).strip().splitlines()[0])
+        msg = "; ".join(dict.fromkeys(lines)) or type(e).__name__
+        print(f"error: config: {msg}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if old is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = old
 
 
 def instantiate(node: Any, _partial_: bool = False, **kwargs: Any) -> Any:

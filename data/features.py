@@ -21,7 +21,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_file, cli, instantiate
+from data.errors import UserError, atomic_file, cli, instantiate, run_main
 
 CACHE_FORMAT = "draftsmith-features/1"
 
@@ -183,4 +183,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

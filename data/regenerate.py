@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from data.conversations import load_conversations
-from data.errors import UserError, atomic_file, cli
+from data.errors import UserError, atomic_file, cli, run_main
 
 
 def finished_ids(out_dir: Path) -> set[str]:
@@ -125,4 +125,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

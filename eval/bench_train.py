@@ -19,7 +19,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import cli, write_json
+from data.errors import cli, run_main, write_json
 
 
 def autocast(precision: str):
@@ -119,4 +119,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -41,7 +41,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.errors import UserError, cli, write_json
+from data.errors import UserError, cli, run_main, write_json
 from models.formats.layer_ids import engine_layer_ids
 from models.formats.speculators import FAMILIES
 
@@ -310,4 +310,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -23,7 +23,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_file, cli, instantiate, write_json
+from data.errors import UserError, atomic_file, cli, instantiate, run_main, write_json
 
 
 def train_family(name: str, overrides: list[str], shared: list[str], run_dir: Path) -> dict:
@@ -105,4 +105,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

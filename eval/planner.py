@@ -22,7 +22,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, cli, instantiate, write_json
+from data.errors import UserError, cli, instantiate, run_main, write_json
 
 
 def sync(device: str) -> None:
@@ -113,4 +113,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.chat import tokenize_conversation
 from data.conversations import load_conversations
-from data.errors import UserError, atomic_dir, cli
+from data.errors import UserError, atomic_dir, cli, run_main
 from data.tokenizer import conversation_texts, train_tokenizer
 from train.build import resolve_ckpt
 from train.schedule import warmup_cosine
@@ -259,4 +259,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
