@@ -78,12 +78,64 @@ class DraftDataModule(L.LightningDataModule):
             self._val = self.split("heldout").with_format("python")
 
     def _loader(self, ds, shuffle: bool) -> torch.utils.data.DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
+        g = torch.Generator().manual_seed(self.seed)  # its own generator: making an iterator draws no global random number
+        pad = self.tokenizer.pad_token_id or 0
+        if shuffle and (self.trainer is None or self.trainer.world_size == 1):
+            return ResumableLoader(ds, self._progress, batch_size=self.batch_size, sampler=EpochSampler(len(ds), self.seed),
+                                   generator=g, num_workers=self.num_workers, collate_fn=lambda rows: collate(rows, pad))
         return torch.utils.data.DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, generator=g,
-                                           num_workers=self.num_workers, collate_fn=lambda rows: collate(rows, self.tokenizer.pad_token_id or 0))
+                                           num_workers=self.num_workers, collate_fn=lambda rows: collate(rows, pad))
+
+    def _progress(self) -> tuple[int, int]:
+        """(epoch, batches of it completed) as the trainer counts them (at a checkpoint: a step boundary)."""
+        loop = self.trainer.fit_loop
+        return loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.completed
 
     def train_dataloader(self):
         return self._loader(self._train, shuffle=True)
 
     def val_dataloader(self):
         return self._loader(self._val, shuffle=False)
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A shuffle whose order in epoch ``e`` depends on (seed, e) only, and that can start mid-epoch: the data
+    position of a resumed run (Lightning sets the epoch; :class:`ResumableLoader` the batches to skip)."""
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n, self.seed, self.epoch = n, seed, 0
+        self.resume: tuple[int, int] | None = None  # (epoch, samples to skip in it), used once
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        skip = self.resume[1] if self.resume is not None and self.resume[0] == self.epoch else 0
+        self.resume = None
+        yield from order[skip:]
+
+
+class ResumableLoader(torch.utils.data.DataLoader):
+    """The training loader with Lightning's ``state_dict``/``load_state_dict`` interface: checkpoints record
+    the epoch and the batches completed in it, and a resumed run continues with the next batch (no
+    batch seen twice or skipped, the same order as an uninterrupted run). Single process only."""
+
+    def __init__(self, dataset, progress, **kw):
+        super().__init__(dataset, **kw)
+        self._progress = progress
+
+    def state_dict(self) -> dict:
+        epoch, batches = self._progress()
+        return {"epoch": int(epoch), "batches": int(batches), "batch_size": self.batch_size, "samples": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("batch_size") != self.batch_size or state.get("samples") != len(self.dataset):
+            print(f"note: the training data changed since the checkpoint (batch size {state.get('batch_size')} -> "
+                  f"{self.batch_size}, samples {state.get('samples')} -> {len(self.dataset)}); the epoch restarts")
+            return
+        self.sampler.resume = (int(state["epoch"]), int(state["batches"]) * self.batch_size)

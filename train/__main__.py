@@ -22,30 +22,88 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data.errors import atomic_file, cli, write_json
+from data.errors import UserError, atomic_file, cli, run_main, write_json
 from train.build import build, instantiate, resolve_ckpt
+from train.rundir import RunLock, sweep_leftovers
 
 
 def run(cfg: DictConfig) -> dict:
+    run_dir = Path(cfg.run_dir)
+    if int(os.environ.get("LOCAL_RANK", 0)) or int(os.environ.get("RANK", 0)):
+        return _run(cfg, run_dir)  # the other ranks of a multi-process run: rank 0 holds the lock
+    with RunLock(run_dir):
+        sweep_leftovers(run_dir)
+        return _run(cfg, run_dir)
+
+
+def read_checkpoint(path: str) -> dict:
+    """A training checkpoint, or one UserError naming the file (truncated, not a checkpoint, not ours)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated zip, random bytes, a directory, ...
+        raise UserError(f"ckpt_path={path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else 'damaged'})") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict) or "global_step" not in ckpt:
+        raise UserError(f"ckpt_path={path}: not a Lightning training checkpoint (no state_dict / global_step)")
+    return ckpt
+
+
+def check_checkpoint(ckpt: dict, path: str, module: Any) -> None:
+    """Refuse a checkpoint of another draft (family, class, shapes) before anything is written."""
+    mine = {"family": module.head.family, "class": f"{type(module.head).__module__}.{type(module.head).__qualname__}"}
+    theirs = ckpt.get("draft") or {}
+    if theirs and theirs.get("class") != mine["class"]:
+        raise UserError(f"ckpt_path={path}: a checkpoint of a {theirs.get('family')} draft ({theirs.get('class')}), "
+                        f"but this run trains {mine['family']} ({mine['class']})")
+    want = {k: v for k, v in module.state_dict().items() if not k.startswith("target.")}
+    have = ckpt["state_dict"]
+    missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or unexpected:
+        raise UserError(f"ckpt_path={path}: does not fit this draft ({mine['family']}): missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for k, v in want.items():
+        if tuple(have[k].shape) != tuple(v.shape):
+            raise UserError(f"ckpt_path={path}: {k} has shape {tuple(have[k].shape)} in the checkpoint, {tuple(v.shape)} in this "
+                            f"draft (a different draft config)")
+
+
+def check_lengths(cfg: DictConfig, target: Any, dm: Any) -> None:
+    """Training sequences must fit the target's positions: refuse a longer data.max_length; cap a null one."""
+    n = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if not isinstance(n, int) or n <= 0:
+        return
+    if dm.max_length is None:
+        print(f"note: data.max_length=null: sequences are cut at the target's max_position_embeddings={n}")
+        dm.max_length = n
+    elif dm.max_length > n:
+        raise UserError(f"data.max_length={dm.max_length} exceeds the target's max_position_embeddings={n}: "
+                        f"set data.max_length<={n}")
+
+
+def _run(cfg: DictConfig, run_dir: Path) -> dict:
+    from train.callbacks import StopAtStep
     from train.module import DraftModule
 
-    run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True)
     target, head, dm = build(cfg)
+    check_lengths(cfg, target, dm)
     ckpt_dir = run_dir / "checkpoints"
     ckpt = resolve_ckpt(cfg.ckpt_path, ckpt_dir)
+    module = DraftModule(target, head, **cfg.optim)
     if ckpt is None:
         head.prepare_from_data(dm.token_counts())
     else:
-        print(f"resuming from step {torch.load(ckpt, map_location='cpu', weights_only=False)['global_step']} ({ckpt})")
-    module = DraftModule(target, head, **cfg.optim)
+        state = read_checkpoint(ckpt)
+        check_checkpoint(state, ckpt, module)
+        print(f"resuming from step {state['global_step']} ({ckpt})")
+        del state
     resolved = OmegaConf.to_container(cfg, resolve=True)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     # the resolved config at the run's root: inside checkpoints/ it made Lightning warn "exists and is not empty"
     with atomic_file(run_dir / "config.yaml") as f:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] if cfg.get("callbacks") else []
+    if cfg.get("stop_at_step"):
+        callbacks.append(StopAtStep(cfg.stop_at_step))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(run_dir))
     trainer.fit(module, dm, ckpt_path=ckpt)
@@ -53,11 +111,12 @@ def run(cfg: DictConfig) -> dict:
     if best and cfg.export_best:
         state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
         module.load_state_dict(state, strict=False)
+    val = {**module.loaded_val_metrics,  # a resumed run that validates no more keeps the checkpoint's
+           **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
     result = {"run_dir": str(run_dir), "global_step": trainer.global_step, "best_checkpoint": best,
               "train_time_s": round(module.train_time_s, 1),
               "trainable_params": sum(p.numel() for p in head.parameters() if p.requires_grad),
-              "train_tokens": module.train_tokens,
-              **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
+              "train_tokens": module.train_tokens, **val}
     if trainer.is_global_zero:
         out = head.export(run_dir / "draft", train_config=resolved)
         result["export"] = str(out)
@@ -74,4 +133,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -19,7 +19,37 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from data.errors import UserError, cli
+from data.errors import UserError, cli, run_main
+from train.rundir import sweep_leftovers
+
+EXPORT_FILES = {"config.json", "model.safetensors", "train_config.json"}  # what our exports (and run_dir/draft) hold
+
+
+def is_our_export(path: Path) -> bool:
+    """A directory this project wrote as an export: only export files, and a config.json that says so."""
+    names = {p.name for p in path.iterdir()}
+    if not names <= EXPORT_FILES or "config.json" not in names:
+        return False
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and ("draftsmith" in cfg or str(cfg.get("format", "")).startswith("draftsmith"))
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """``out=`` is replaced as a whole: refuse one that exists and is not an export of ours (unless ``overwrite=true``)."""
+    out = out.expanduser()
+    here = Path.cwd().resolve()
+    if out.exists() or out.is_symlink():
+        if out.is_symlink() or not out.is_dir():
+            raise UserError(f"out={out}: exists and is not a directory; choose another out=")
+        if here == out.resolve() or here.is_relative_to(out.resolve()):
+            raise UserError(f"out={out}: would replace the working directory; choose another out=")
+        if any(out.iterdir()) and not is_our_export(out) and not overwrite:
+            held = sorted(p.name for p in out.iterdir())
+            raise UserError(f"out={out}: exists and is not an export of ours (holds {', '.join(held[:4])}"
+                            f"{', ...' if len(held) > 4 else ''}); choose another out= or pass overwrite=true to replace it")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -28,6 +58,8 @@ def run(cfg: DictConfig) -> dict:
     if not cfg.get("src"):
         raise UserError("src: give a run directory or an exported draft (src=runs/<name>)")
     out = cfg.out or f"{str(cfg.src).rstrip('/')}-{cfg.format}"
+    check_out(Path(out), bool(cfg.get("overwrite")))
+    sweep_leftovers(Path(out).expanduser().parent, names=[Path(out).name])  # of an export killed mid-write
     path = export_draft(cfg.src, cfg.format, out, verifier=cfg.verifier, dtype=cfg.dtype)
     src = resolve_draft_dir(cfg.src)
     exported = json.loads((Path(path) / "config.json").read_text())
@@ -48,4 +80,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -28,6 +28,7 @@ class DraftModule(L.LightningModule):
 
             raise UserError(f"optim.feature_noise_std={feature_noise_std}: must be a number >= 0")
         self.feature_noise_std = float(feature_noise_std)  # Gaussian noise on the target features, training steps only
+        check_optim(lr, weight_decay, betas, warmup_ratio, min_lr_ratio)
         self.target, self.head = target, head
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_ratio, self.min_lr_ratio = warmup_ratio, min_lr_ratio
@@ -35,6 +36,8 @@ class DraftModule(L.LightningModule):
         self._val_correct = self._val_total = None
         self._time_before, self._t0 = 0.0, None  # training wall time of earlier (resumed) runs, start of this one
         self.train_tokens = 0  # non-padding tokens seen by training steps (this rank), kept in checkpoints
+        self.loaded_val_metrics: dict[str, float] = {}  # the last validation's val/* of the checkpoint resumed from
+        self._rng_to_restore = None  # RNG states of the checkpoint, applied when training (re)starts
 
     @property
     def train_time_s(self) -> float:
@@ -43,6 +46,9 @@ class DraftModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._t0 = time.perf_counter()
+        if self._rng_to_restore is not None:  # after the sanity check, which may draw random numbers
+            set_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
 
     # -- features -------------------------------------------------------------------------------
     def features(self, batch: dict[str, torch.Tensor]) -> TargetOutput:
@@ -110,10 +116,17 @@ class DraftModule(L.LightningModule):
     def on_save_checkpoint(self, ckpt: dict) -> None:
         ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if not k.startswith("target.")}
         ckpt["train_time_s"], ckpt["train_tokens"] = self.train_time_s, self.train_tokens
+        ckpt["draft"] = {"family": self.head.family, "class": f"{type(self.head).__module__}.{type(self.head).__qualname__}"}
+        metrics = self.trainer.callback_metrics if self._trainer is not None else {}
+        ckpt["val_metrics"] = {**self.loaded_val_metrics,
+                               **{k: float(v) for k, v in metrics.items() if k.startswith("val/")}}
+        ckpt["rng_states"] = rng_states()
 
     def on_load_checkpoint(self, ckpt: dict) -> None:
         self._time_before = float(ckpt.get("train_time_s", 0.0))
         self.train_tokens = int(ckpt.get("train_tokens", 0))
+        self.loaded_val_metrics = dict(ckpt.get("val_metrics") or {})
+        self._rng_to_restore = ckpt.get("rng_states")
 
 
 def with_feature_noise(feats: TargetOutput, std: float) -> TargetOutput:
@@ -123,3 +136,49 @@ def with_feature_noise(feats: TargetOutput, std: float) -> TargetOutput:
         return x + std * torch.randn_like(x)
 
     return TargetOutput(tap_states=noisy(feats.tap_states), last_state=noisy(feats.last_state), logits=feats.logits)
+
+
+def rng_states() -> dict:
+    """torch, numpy and Python RNG states as plain tensors/lists (loadable with ``weights_only=True``)."""
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+            "python": random.getstate()}
+
+
+def set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    v, internal, g = states["python"]
+    random.setstate((v, tuple(internal), g))
+
+
+def check_optim(lr: float, weight_decay: float, betas, warmup_ratio: float, min_lr_ratio: float) -> None:
+    """One UserError naming the ``optim.*`` field whose value cannot train."""
+    from data.errors import UserError
+
+    def bad(field: str, value: Any, want: str) -> None:
+        raise UserError(f"optim.{field}={value}: {want}")
+
+    if not isinstance(lr, (int, float)) or not lr > 0 or lr != lr or lr == float("inf"):
+        bad("lr", lr, "the learning rate must be a finite number > 0")
+    if not isinstance(weight_decay, (int, float)) or not 0 <= weight_decay < float("inf"):
+        bad("weight_decay", weight_decay, "must be >= 0")
+    try:
+        b = [float(x) for x in betas] if not isinstance(betas, (str, bytes)) else None
+    except (TypeError, ValueError):
+        b = None
+    if b is None or len(b) != 2 or not all(0 <= x < 1 for x in b):
+        bad("betas", betas, "must be two numbers in [0, 1)")
+    if not isinstance(warmup_ratio, (int, float)) or not 0 <= warmup_ratio <= 1:
+        bad("warmup_ratio", warmup_ratio, "must be in [0, 1]")
+    if not isinstance(min_lr_ratio, (int, float)) or not 0 <= min_lr_ratio <= 1:
+        bad("min_lr_ratio", min_lr_ratio, "must be in [0, 1]")

@@ -99,7 +99,10 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{path}: no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # truncated or not safetensors: one line naming the file
+            raise UserError(f"{f}: unreadable weights ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else 'damaged'})") from None
     return state
 
 

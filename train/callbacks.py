@@ -1,0 +1,58 @@
+"""Training callbacks: ``last.ckpt`` is the last step (always), and a run can stop at a step and resume exactly.
+
+``best.ckpt`` stays with Lightning's ``ModelCheckpoint`` (``monitor: val/acc_len``, ``save_last: false``);
+:class:`LastCheckpoint` writes ``last.ckpt`` after every validation, every ``every_n_train_steps`` steps
+and when training ends, atomically (a temporary sibling renamed over it, so a kill -9 mid-write leaves the
+previous one). It subclasses ``Checkpoint`` so Lightning runs it after ``ModelCheckpoint``: the state it
+saves already knows the best checkpoint of this validation.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Checkpoint
+
+
+class LastCheckpoint(Checkpoint):
+    def __init__(self, dirpath: str, filename: str = "last.ckpt", every_n_train_steps: int = 0):
+        self.dirpath, self.filename, self.every_n_train_steps = Path(dirpath), filename, int(every_n_train_steps)
+        self._saved_step = -1
+
+    @property
+    def path(self) -> Path:
+        return self.dirpath / self.filename
+
+    def save(self, trainer: L.Trainer) -> None:
+        if trainer.sanity_checking or trainer.global_step == self._saved_step:
+            return
+        tmp = self.dirpath / f".{self.filename}.tmp-{os.getpid()}"
+        trainer.save_checkpoint(str(tmp))
+        if trainer.is_global_zero:
+            os.replace(tmp, self.path)
+        trainer.strategy.barrier("last_checkpoint")
+        self._saved_step = trainer.global_step
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.save(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        n = self.every_n_train_steps
+        if n > 0 and trainer.global_step % n == 0:
+            self.save(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.save(trainer)
+
+
+class StopAtStep(L.Callback):
+    """Stop this process after global step ``step`` while keeping the schedule of ``trainer.max_steps``
+    (``python -m train stop_at_step=N``; continue later with ``ckpt_path=last``)."""
+
+    def __init__(self, step: int):
+        self.step = int(step)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
