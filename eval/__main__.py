@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.errors import cli, instantiate
+from data.errors import cli, instantiate, run_main
 
 
 def run(cfg: DictConfig) -> dict:
@@ -22,10 +22,19 @@ def run(cfg: DictConfig) -> dict:
     from models.target import load_tokenizer
     target = instantiate(cfg.target)
     tok = load_tokenizer(cfg.target.name_or_path)
+    from eval.sets import PromptLengthPolicy
+
+    policy = PromptLengthPolicy(cfg.get("max_prompt_tokens"), getattr(target.config, "max_position_embeddings", None),
+                                cfg.max_new_tokens, cfg.k)
     drafters = {name: build_drafter(node, target) for name, node in (cfg.drafters or {}).items() if node is not None}
     sets = build_sets(cfg)
     protocol = protocol_of(cfg, tok, drafters)
-    results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed)
+    results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,
+                       prompt_policy=policy)
+    protocol.update(max_prompt_tokens=policy.limit, truncated_prompts=policy.counts())
+    if policy.counts():
+        print(f"note: prompts longer than max_prompt_tokens={policy.limit} were truncated from the left: "
+              + ", ".join(f"{n} in {s}" for s, n in policy.counts().items()))
     table = write_report(results, protocol, Path(cfg.out_dir))
     print(table)
     print(f"wrote {cfg.out_dir}/results.json, results.md, acceptance.png")
@@ -39,4 +48,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

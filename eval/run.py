@@ -137,7 +137,8 @@ def encode_prompt(tokenizer: Any, messages: list[dict]) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[Any], temperatures: list[float],
              k: int = 5, max_new_tokens: int = 128, top_p: float = 1.0, seed: int = 0, eos_token_ids: list[int] | None = None,
-             log=print) -> dict:
+             log=print, prompt_policy: Any = None) -> dict:
+    """``prompt_policy``: over-long prompts (``eval.sets.PromptLengthPolicy``: truncate from the left, counted)."""
     if k < 1:
         raise UserError(f"k={k}: the draft length must be >= 1")
     for t in temperatures:
@@ -162,6 +163,8 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                         target.set_tap_layers(getattr(drafter, "tap_layers", default_taps))
                         msgs = histories[name] + [{"role": "user", "content": turn}]
                         ids = encode_prompt(tokenizer, msgs)
+                        if prompt_policy is not None:
+                            ids = prompt_policy(ids, (pset.name, ci, ti))
                         g = torch.Generator().manual_seed(hash((seed, ci, ti)) % (2**31))
                         out, st = dec.generate(ids, drafter, k=0 if name == "plain" else k, max_new_tokens=max_new_tokens,
                                                sampler=Sampler(temp, top_p, generator=g))
