@@ -152,3 +152,27 @@ def test_bad_gguf_is_a_user_error(kind, tiny_gguf, tmp_path, monkeypatch):
         msg = str(e.value)
         assert str(bad) in msg and "\n" not in msg, msg
     assert not cache.exists() or not any(cache.rglob("*")), list(cache.rglob("*"))
+
+
+def test_gguf_and_smollm2_target_configs_instantiate(tiny_gguf, tmp_path, monkeypatch):
+    """conf/target/gguf.yaml on a GGUF path, and conf/target/smollm2.yaml with the package's file stood in for by the
+    tiny GGUF (the real one is 98 MB and converts in ~40 s: the quickstart's job, not the tests')."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from conftest import ROOT
+    from data.errors import instantiate
+    from models import gguf as mg
+
+    path, model, _ = tiny_gguf
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    monkeypatch.setattr(mg, "smollm2_gguf", lambda: path)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfgs = [compose("eval", overrides=["target=gguf", f"target.name_or_path={path}"]).target,
+                compose("eval", overrides=["target=smollm2"]).target]
+    for cfg in cfgs:
+        target = instantiate(cfg)
+        assert target.num_layers == model.config.num_hidden_layers
+        assert next(target.parameters()).dtype == torch.float32  # dtype: auto on a CPU
+        assert target.identity()["name_or_path"] == str(cfg.name_or_path)

@@ -1,0 +1,74 @@
+"""``python -m train.ship``: a trained draft made fit to ship inside the repository, with its report.
+
+    python -m train.ship src=runs/smollm2-eagle3 out=assets/smollm2-eagle3 evaluation=runs/smollm2-eval/results.json
+
+Writes ``out/`` atomically: the draft in our own format (what ``python -m eval`` loads) with its floating weights
+in ``dtype`` (bfloat16 halves it; frozen copies of the target's tensors are never stored), the resolved training
+config, and ``report.json``: the recipe (the training command's config), the run's ``result.json`` (steps, tokens,
+training time, validation metrics per the best checkpoint), the validation curve from the run's CSV log, and, when
+given, the evaluation it was measured with (``python -m eval``'s results.json).
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from data.errors import UserError, cli, run_main, write_json
+
+
+def validation_curve(run_dir: Path) -> list[dict]:
+    """``val/acc_len`` (and step) at every validation of the run, from its CSV logs (resumed runs included)."""
+    rows = []
+    for path in sorted(run_dir.glob("logs/version_*/metrics.csv")):
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                if r.get("val/acc_len"):
+                    rows.append({"step": int(float(r["step"])), "val/acc_len": round(float(r["val/acc_len"]), 4)})
+    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
+
+
+def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: str | None = None) -> dict:
+    from models.formats import load_draft, read_draft_config, resolve_draft_dir
+    from models.target import DTYPES, FrozenTarget
+
+    run_dir = Path(src).expanduser()
+    draft = resolve_draft_dir(run_dir)
+    if dtype not in DTYPES:
+        raise UserError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    cfg = read_draft_config(draft)
+    target = FrozenTarget(cfg["target"]["name_or_path"], dtype="float32")
+    head = load_draft(draft, target)
+    train_config = json.loads((draft / "train_config.json").read_text()) if (draft / "train_config.json").exists() else None
+    result = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
+    report = {"draft": str(draft), "family": head.family, "target": cfg["target"], "tap_layers": cfg["tap_layers"],
+              "stored_dtype": dtype, "trainable_parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
+              "stored_parameters": sum(v.numel() for k, v in head.state_dict().items() if k not in head.target_copies()),
+              "training": {k: v for k, v in result.items() if k not in ("run_dir", "best_checkpoint", "export")},
+              "validation_curve": validation_curve(run_dir)}
+    if evaluation:
+        ev = Path(evaluation)
+        if not ev.exists():
+            raise UserError(f"evaluation={evaluation}: no such results.json (write one with `python -m eval ...`)")
+        report["evaluation"] = json.loads(ev.read_text())
+    out = Path(out)
+    head.export(out, train_config=train_config, dtype=DTYPES[dtype])
+    write_json(out / "report.json", report)
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"shipped {draft} -> {out} ({size / 1e6:.1f} MB, {report['stored_parameters']:,} parameters in {dtype})")
+    return report
+
+
+@hydra.main(config_path="../conf", config_name="ship", version_base="1.3")
+@cli
+def main(cfg: DictConfig) -> None:
+    if not cfg.src or not cfg.out:
+        raise UserError("give src=<run dir> and out=<folder>, e.g. src=runs/smollm2-eagle3 out=assets/smollm2-eagle3")
+    ship(cfg.src, cfg.out, cfg.dtype, cfg.evaluation)
+
+
+if __name__ == "__main__":
+    run_main(main)
