@@ -129,13 +129,18 @@ def iter_file_records(path: Path, report: LoadReport) -> Iterator[Any]:
         raise UserError(f"{path}: no such file; give source=sharegpt, a .json/.jsonl path, or a dataset name")
     if path.stat().st_size == 0:
         raise UserError(f"{path}: file is empty; give a JSON array or JSONL file of conversations")
-    with open(path, encoding="utf-8") as f:
-        head = f.read(64).lstrip()
-        f.seek(0)
-        if path.suffix == ".jsonl" or (head.startswith("{") and path.suffix != ".json"):
-            yield from iter_jsonl(f, str(path), report)
-        else:
-            yield from iter_json_array(f, str(path), report)
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = f.read(64).lstrip()
+            f.seek(0)
+            if path.suffix == ".jsonl" or (head.startswith("{") and path.suffix != ".json"):
+                yield from iter_jsonl(f, str(path), report)
+            else:
+                yield from iter_json_array(f, str(path), report)
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x}; {e.reason})") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory; give a JSON array or JSONL file of conversations") from None
 
 
 def normalize_record(rec: Any, index: int) -> tuple[dict | None, str | None]:

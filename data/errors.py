@@ -56,6 +56,9 @@ def run_main(main: Callable[[], Any]) -> Any:
         cause = e.__cause__
         if cause is not None and str(cause).strip():
             lines.append(str(cause).strip().splitlines()[0])
+        bad = getattr(e, "override", None)  # hydra's OverrideParseException: the override that did not parse
+        if isinstance(bad, str) and bad:
+            lines.insert(0, f"cannot parse the override {bad!r}")
         msg = "; ".join(dict.fromkeys(lines)) or type(e).__name__
         print(f"error: config: {msg}", file=sys.stderr)
         sys.exit(2)

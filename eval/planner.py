@@ -83,8 +83,11 @@ def read_acceptance(path: str, drafter: str, set_name: str | None, temperature: 
     p = Path(path)
     if not p.exists():
         raise UserError(f"acceptance={path}: no such results.json (run `python -m eval` first)")
-    res = json.loads(p.read_text())["results"]
-    set_name = set_name or next(iter(res))
+    try:
+        res = json.loads(p.read_text())["results"]
+        set_name = set_name or next(iter(res))
+    except (ValueError, KeyError, TypeError, StopIteration, IsADirectoryError) as e:
+        raise UserError(f"acceptance={path}: not a results.json of `python -m eval` ({type(e).__name__})") from None
     try:
         row = res[set_name][temperature][drafter]
     except KeyError:
@@ -98,12 +101,13 @@ def main(cfg: DictConfig) -> None:
     device = cfg.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("device=cuda but no GPU is visible; use device=cpu")
+    # the acceptance file is checked before minutes of benchmark
+    acc, row = (read_acceptance(cfg.acceptance, cfg.drafter, cfg.get("set"), cfg.temperature) if cfg.acceptance else (None, {}))
     target = instantiate(cfg.target)
     model = target.model.to(device)
     c = model.config
     group = c.num_attention_heads // (getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
     costs = verify_costs(model, cfg.max_d, cfg.context, cfg.reps, device)
-    acc, row = (read_acceptance(cfg.acceptance, cfg.drafter, cfg.get("set"), cfg.temperature) if cfg.acceptance else (None, {}))
     result = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)",
               "target": str(cfg.target.name_or_path), "parameters": sum(p.numel() for p in model.parameters()),
               "context": cfg.context, "t1_ms": round(costs[0] * 1e3, 3), **plan(costs, group, acc)}
