@@ -1,0 +1,74 @@
+"""Issue 14: last.ckpt is the last step, best.ckpt the best; a stopped-and-resumed run equals an uninterrupted one;
+a run folder is locked by its owner; damaged or foreign checkpoints are refused before anything is written."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT, train_overrides
+
+
+def compose_train(overrides):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "draft/model.safetensors"))
+
+
+def last_state(run_dir):
+    return torch.load(run_dir / "checkpoints/last.ckpt", weights_only=False)
+
+
+def test_last_is_last_step_and_best_is_best(tiny_target_dir, tiny_chats, tmp_path):
+    from train.__main__ import run
+
+    result = run(compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run", steps=6)))
+    assert result["global_step"] == 6
+    last = last_state(tmp_path / "run")
+    assert last["global_step"] == 6  # not the step of the best validation
+    best = torch.load(tmp_path / "run/checkpoints/best.ckpt", weights_only=False)
+    ck = next(v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    assert ck["best_model_path"].endswith("best.ckpt") and best["global_step"] in (2, 4, 6)
+    assert float(ck["best_model_score"]) >= last["val_metrics"]["val/acc_len"] - 1e-9  # best is the best validation
+    # rerunning with ckpt_path=last resumes at 6 and trains nothing more; result.json keeps the val metrics
+    again = run(compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run", steps=6) + ["ckpt_path=last"]))
+    assert again["global_step"] == 6 and again["train_tokens"] == result["train_tokens"]
+    assert again["val/acc_len"] == pytest.approx(result["val/acc_len"])
+    saved = json.loads((tmp_path / "run/result.json").read_text())
+    assert "val/acc_len" in saved and "val/acc_0" in saved
+
+
+@pytest.mark.parametrize("draft", ["eagle3", "dflash"])
+def test_stopped_and_resumed_equals_uninterrupted(tiny_target_dir, tiny_chats, tmp_path, draft):
+    """stop_at_step=4 then ckpt_path=last to 14 (crossing an epoch) == straight to 14: tokens, weights, val."""
+    from train.__main__ import run
+
+    def over(d, *more):
+        o = train_overrides(tiny_target_dir, tiny_chats, tmp_path / d, steps=14)
+        if draft != "eagle3":
+            o = [x for x in o if not x.startswith("draft.ttt_steps")]
+        return o + [f"draft={draft}", *more]
+
+    straight = run(compose_train(over("straight")))
+    first = run(compose_train(over("resumed", "stop_at_step=4")))
+    assert first["global_step"] == 4 and last_state(tmp_path / "resumed")["global_step"] == 4
+    resumed = run(compose_train(over("resumed", "ckpt_path=last")))
+    assert resumed["global_step"] == straight["global_step"] == 14
+    assert resumed["train_tokens"] == straight["train_tokens"]
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    print(f"{draft}: tokens {straight['train_tokens']} vs {resumed['train_tokens']}, max weight diff {diff:.2e}")
+    assert diff < 1e-5
+    assert resumed["val/acc_len"] == pytest.approx(straight["val/acc_len"], abs=1e-6)
