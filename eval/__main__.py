@@ -9,16 +9,17 @@ directory and prints the table.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from data.errors import cli, instantiate, run_main
 
 
 def run(cfg: DictConfig) -> dict:
-    from eval.run import build_drafter, build_sets, evaluate, protocol_of, write_report
+    from eval.run import build_drafter, build_sets, count_defects, evaluate, protocol_of, write_report
     from models.target import load_tokenizer
     target = instantiate(cfg.target)
     tok = load_tokenizer(cfg.target.name_or_path)
@@ -28,9 +29,9 @@ def run(cfg: DictConfig) -> dict:
                                 cfg.max_new_tokens, cfg.k)
     drafters = {name: build_drafter(node, target) for name, node in (cfg.drafters or {}).items() if node is not None}
     sets = build_sets(cfg)
-    protocol = protocol_of(cfg, tok, drafters)
+    protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""))
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,
-                       prompt_policy=policy)
+                       tie_ulps=cfg.tie_ulps, prompt_policy=policy)
     protocol.update(max_prompt_tokens=policy.limit, truncated_prompts=policy.counts())
     if policy.counts():
         print(f"note: prompts longer than max_prompt_tokens={policy.limit} were truncated from the left: "
@@ -38,6 +39,11 @@ def run(cfg: DictConfig) -> dict:
     table = write_report(results, protocol, Path(cfg.out_dir))
     print(table)
     print(f"wrote {cfg.out_dir}/results.json, results.md, acceptance.png")
+    defects = count_defects(results)
+    if defects:  # a greedy output that differs from plain decoding beyond a numerical tie: the decoder is not lossless
+        print(f"error: {defects} greedy generation(s) differ from plain decoding by more than a numerical tie "
+              f"(see 'divergences' in {cfg.out_dir}/results.json)", file=sys.stderr)
+        sys.exit(1)
     return results
 
 

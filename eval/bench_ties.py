@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from data.errors import cli, instantiate, write_json
+from eval.lossless import TIE_ULPS
 
 
 @torch.no_grad()
@@ -62,7 +63,7 @@ def main(cfg: DictConfig) -> None:
     q = lambda f: round(gaps[min(len(gaps) - 1, int(f * len(gaps)))], 2)  # noqa: E731
     res = {"target": str(cfg.target.name_or_path), "dtype": str(next(target.parameters()).dtype),
            "positions": len(gaps), "block": cfg.block, "ulps_median": q(0.5), "ulps_p90": q(0.9),
-           "ulps_max": round(gaps[-1], 2), "tie_ulps_default": 16}
+           "ulps_max": round(gaps[-1], 2), "tie_ulps_default": TIE_ULPS.get(next(target.parameters()).dtype)}
     write_json(Path(cfg.out_dir) / "bench_ties.json", res, echo=True)
 
 

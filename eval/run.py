@@ -4,7 +4,9 @@ For each prompt set, temperature and prompt, plain decoding runs first and then 
 wall-clock ratios (speed-up) come from interleaved runs on the same prompts. Multi-turn sets feed the
 target's own answer of turn i into turn i+1. Results: τ, per-position conditional acceptance, the
 histogram of accepted lengths, tokens/s, speed-up over plain decoding, the time split (draft, verify,
-prefill, the decoder's own work), and at T=0 whether the output is identical to plain decoding.
+prefill, the decoder's own work), and at T=0 whether the output is identical to plain decoding: each
+divergence is classified by :mod:`eval.lossless` as a numerical tie (a near-tied argmax flipped by
+reduced-precision arithmetic) or a defect; defects fail the run.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 
 from data.errors import UserError, instantiate
 from eval.decoder import GenStats, NoDrafter, Sampler, SpeculativeDecoder
+from eval.lossless import classify
 
 
 @dataclass
@@ -36,6 +39,9 @@ class Agg:
     t_total: float = 0.0
     generations: int = 0
     identical: int = 0
+    ties: int = 0
+    defects: int = 0
+    divergences: list[dict] = field(default_factory=list)
 
     def add(self, st: GenStats) -> None:
         self.new_tokens += st.new_tokens
@@ -137,6 +143,7 @@ def encode_prompt(tokenizer: Any, messages: list[dict]) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[Any], temperatures: list[float],
              k: int = 5, max_new_tokens: int = 128, top_p: float = 1.0, seed: int = 0, eos_token_ids: list[int] | None = None,
+             tie_ulps: float | None = None,
              log=print, prompt_policy: Any = None) -> dict:
     """``prompt_policy``: over-long prompts (``eval.sets.PromptLengthPolicy``: truncate from the left, counted)."""
     if k < 1:
@@ -144,6 +151,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
     for t in temperatures:
         Sampler(float(t), top_p)  # validates
     dec = SpeculativeDecoder(target, eos_token_ids if eos_token_ids is not None else _eos_ids(target, tokenizer))
+    target_dtype = next(target.parameters()).dtype
     results: dict = {}
     default_taps = list(target.tap_layers)
     for pset in sets:
@@ -157,7 +165,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                 histories = {name: ([{"role": "system", "content": conv["system"]}] if conv.get("system") else [])
                              for name in aggs}
                 for ti, turn in enumerate(conv["turns"]):
-                    plain_out = None
+                    plain_out, plain_top = None, []
                     for name in aggs:
                         drafter = NoDrafter() if name == "plain" else drafters[name]
                         target.set_tap_layers(getattr(drafter, "tap_layers", default_taps))
@@ -167,12 +175,17 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                             ids = prompt_policy(ids, (pset.name, ci, ti))
                         g = torch.Generator().manual_seed(hash((seed, ci, ti)) % (2**31))
                         out, st = dec.generate(ids, drafter, k=0 if name == "plain" else k, max_new_tokens=max_new_tokens,
-                                               sampler=Sampler(temp, top_p, generator=g))
+                                               sampler=Sampler(temp, top_p, generator=g), record_top=4 if name == "plain" else 0)
                         aggs[name].add(st)
                         if name == "plain":
-                            plain_out = out
+                            plain_out, plain_top = out, st.top
                         elif temp == 0:
-                            aggs[name].identical += int(out == plain_out)
+                            v = classify(plain_out, out, plain_top, target_dtype, tie_ulps)
+                            aggs[name].identical += v.kind == "identical"
+                            aggs[name].ties += v.kind == "tie"
+                            aggs[name].defects += v.kind == "defect"
+                            if v.kind != "identical":
+                                aggs[name].divergences.append({"prompt": ci, "turn": ti, **v.as_dict()})
                         answer = tokenizer.decode(out, skip_special_tokens=True).strip()
                         histories[name] = msgs + [{"role": "assistant", "content": answer}]
                 if (ci + 1) % 10 == 0 or ci + 1 == len(convs):
@@ -183,6 +196,9 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                 row[name] = a.summary(None if name == "plain" else aggs["plain"])
                 if name != "plain" and temp == 0:
                     row[name]["greedy_identical"] = f"{a.identical}/{a.generations}"
+                    row[name]["numerical_ties"] = a.ties
+                    row[name]["defects"] = a.defects
+                    row[name]["divergences"] = a.divergences
             results.setdefault(pset.name, {})[f"T={temp:g}"] = row
     target.set_tap_layers(default_taps)
     return results
@@ -215,8 +231,19 @@ def markdown_table(results: dict, protocol: dict) -> str:
                                                  *["" if a is None else f"{a:.2f}" for a in acc],
                                                  f"{r['tokens_per_s']:.0f}", f"{r.get('speedup', 1.0):.2f}×",
                                                  f"{ts['draft']:.0%}", f"{ts['verify']:.0%}", f"{ts['decoder']:.0%}",
-                                                 r.get("greedy_identical") or ""]) + " |")
+                                                 greedy_cell(r)]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def greedy_cell(r: dict) -> str:
+    """``4/6 identical, 2 ties, 0 defects`` (empty for sampled rows)."""
+    if not r.get("greedy_identical"):
+        return ""
+    return f"{r['greedy_identical']} identical, {r.get('numerical_ties', 0)} ties, {r.get('defects', 0)} defects"
+
+
+def count_defects(results: dict) -> int:
+    return sum(r.get("defects", 0) for by_t in results.values() for by_d in by_t.values() for r in by_d.values())
 
 
 def plot_acceptance(results: dict, path: Path) -> None:

@@ -97,8 +97,8 @@ def test_classify_rules():
     assert classify([5, 5, 5], [5, 5, 5], top, torch.bfloat16).kind == "identical"
     v = classify([5, 5, 5], [5, 6, 1], top, torch.bfloat16)
     assert (v.kind, v.position) == ("tie", 1) and v.margin == pytest.approx(0.01)
-    assert classify([5, 5, 5], [5, 7, 1], top, torch.bfloat16).kind == "defect"   # margin 5.0 > bound 1.25
+    assert classify([5, 5, 5], [5, 7, 1], top, torch.bfloat16).kind == "defect"   # margin 5.0 > bound 0.625
     assert classify([5, 5, 5], [5, 9, 1], top, torch.bfloat16).kind == "defect"   # not among the top tokens
     assert classify([5, 5, 5], [5, 6, 1], top, torch.float32).kind == "defect"    # fp32 has no such ties
     assert classify([5, 5, 5], [5, 5], top, torch.bfloat16).kind == "defect"      # a prefix is never rounding
-    assert tie_bound(torch.bfloat16, 10.0) == pytest.approx(16 * 2 ** -7 * 10)
+    assert tie_bound(torch.bfloat16, 10.0) == pytest.approx(8 * 2 ** -7 * 10)

@@ -7,13 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, train_overrides, write_tiny_target
+from conftest import ROOT, train_overrides
 from data.errors import UserError
 
 
