@@ -49,6 +49,15 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
               "stored_parameters": sum(v.numel() for k, v in head.state_dict().items() if k not in head.target_copies()),
               "training": {k: v for k, v in result.items() if k not in ("run_dir", "best_checkpoint", "export")},
               "validation_curve": validation_curve(run_dir)}
+    feature_dir = ((train_config or {}).get("data") or {}).get("feature_dir")
+    if feature_dir:  # what the head was trained on: the offline cache's splits (samples, tokens, bytes)
+        report["features"] = {}
+        for split in ("train", "heldout"):
+            for m in sorted(Path(feature_dir, split).glob("manifest-r*.json")):
+                shards = json.loads(m.read_text())["shards"]
+                report["features"][split] = {"samples": sum(x["samples"] for x in shards),
+                                             "tokens": sum(x["tokens"] for x in shards)}
+        report["data_source"] = train_config["data"].get("source")
     if evaluation:
         ev = Path(evaluation)
         if not ev.exists():
