@@ -93,6 +93,8 @@ def write_features(target: Any, ds, out_dir: str | Path, batch_size: int = 8, sh
         part = rows[s: s + shard_samples]
         ids, mask, taps, last, offsets = [], [], [], [], [0]
         for b in range(0, len(part), batch_size):
+            if b and b % (8 * batch_size) == 0:
+                print(f"  {s + b}/{len(rows)} samples", flush=True)
             batch = collate(part[b: b + batch_size])
             feats = target(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
             for i, r in enumerate(part[b: b + batch_size]):

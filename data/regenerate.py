@@ -52,7 +52,7 @@ def generate_batch(model, tokenizer, prompts: list[list[dict]], max_new_tokens: 
 
 
 def regenerate_conversations(model, tokenizer, convs: list[dict], max_new_tokens: int, temperature: float,
-                             top_p: float, batch_size: int, max_turns: int | None = None) -> list[dict]:
+                             top_p: float, batch_size: int, max_turns: int | None = None, verbose: bool = False) -> list[dict]:
     """Replace every assistant turn (up to ``max_turns`` answers per chat) with the target's answer."""
     chats = [[m for m in c["messages"] if m["role"] != "assistant"] for c in convs]
     results = [[] for _ in convs]
@@ -81,6 +81,8 @@ def regenerate_conversations(model, tokenizer, convs: list[dict], max_new_tokens
             answers = generate_batch(model, tokenizer, [results[i] for i in idx], max_new_tokens, temperature, top_p)
             for i, a in zip(idx, answers):
                 results[i].append({"role": "assistant", "content": a})
+            if verbose:
+                print(f"  turn {turn + 1}: {min(s + batch_size, len(active))}/{len(active)} answered", flush=True)
         turn += 1
     return [{"id": c["id"], "messages": r} for c, r in zip(convs, results) if any(m["role"] == "assistant" for m in r)]
 
@@ -116,7 +118,7 @@ def main(cfg: DictConfig) -> None:
     n_shards = len(list(out_dir.glob("shard-*.jsonl")))
     for s in range(0, len(todo), cfg.shard_size):
         part = regenerate_conversations(model, tok, todo[s: s + cfg.shard_size], cfg.max_new_tokens, cfg.temperature,
-                                        cfg.top_p, cfg.batch_size, cfg.max_turns)
+                                        cfg.top_p, cfg.batch_size, cfg.max_turns, verbose=True)
         with atomic_file(out_dir / f"shard-{n_shards:05d}.jsonl") as f:
             for c in part:
                 f.write(json.dumps(c, ensure_ascii=False) + "\n")

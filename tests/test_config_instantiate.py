@@ -95,3 +95,30 @@ def test_data_and_features_instantiate(option, tiny_target, tmp_path):
     cfg = composed("train", [f"features={option}", f"target.name_or_path={tiny_target}"], tmp_path)
     dm = instantiate(cfg.data, tokenizer=str(tiny_target))
     assert dm.features == option
+
+
+@pytest.mark.parametrize("option", ["gpu", "ddp", "fsdp"])
+def test_gpu_trainer_configs_instantiate_on_cpu(option, tmp_path):
+    """The GPU trainers' keys are all Trainer arguments: built here with the accelerator (and the FSDP strategy,
+    which needs GPUs) swapped for the CPU, everything else as configured."""
+    overrides = [f"trainer={option}", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32"]
+    cfg = composed("train", overrides + (["~trainer.strategy"] if option != "gpu" else []), tmp_path).trainer
+    trainer = instantiate(cfg, logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    assert trainer.max_steps == cfg.max_steps and trainer.limit_val_batches == cfg.limit_val_batches
+
+
+def test_llama1b_random_target_instantiates_at_a_tiny_size(tmp_path):
+    cfg = composed("planner", ["target=llama1b_random", "target.hidden_size=32", "target.intermediate_size=64",
+                               "target.num_hidden_layers=4", "target.num_attention_heads=4", "target.num_key_value_heads=2",
+                               "target.vocab_size=128"], tmp_path).target
+    target = instantiate(cfg)
+    assert target.num_layers == 4 and target.identity()["name_or_path"] == "llama1b-random"
+
+
+@pytest.mark.parametrize("option", ["draft_model", "micro"])
+def test_experiment_target_configs_build_their_model(option, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = composed("embedded_target", [f"experiment_target={option}"], tmp_path)
+    model = LlamaForCausalLM(LlamaConfig(**OmegaConf.to_container(cfg.model, resolve=True), vocab_size=64))
+    assert model.config.num_hidden_layers == cfg.model.num_hidden_layers
