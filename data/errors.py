@@ -132,3 +132,14 @@ def write_json(path: str | Path, obj, echo: bool = False) -> None:
     if echo:
         print(json.dumps(obj, indent=2))
         print(f"wrote {path}")
+
+
+def sha256(path: str | Path) -> str:
+    """SHA-256 of a file, read in 4 MiB blocks (feature shards, GGUF files)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

