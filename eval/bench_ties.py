@@ -17,7 +17,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import cli, instantiate, write_json
+from data.errors import cli, instantiate, run_main, write_json
 from eval.lossless import TIE_ULPS
 
 
@@ -68,4 +68,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -29,7 +29,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from data.errors import UserError, cli, instantiate, write_json
+from data.errors import UserError, cli, instantiate, run_main, write_json
 
 
 def budget_steps(budgets: list[float], unit: str, tokens_per_step: float | None) -> list[int]:
@@ -232,4 +232,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
