@@ -51,6 +51,23 @@ SIDE_PINS = ["torch==2.13.0", "speculators==0.9.0"]
 SIDE_SCRIPT = Path(__file__).resolve().parent / "speculators_side.py"
 
 
+def local_verifier(identity: dict) -> str | None:
+    """The local folder of a draft's recorded target (``embedded``, ``smollm2``, a GGUF or a folder), else None.
+
+    An export for ``smollm2`` names the hub id ``HuggingFaceTB/SmolLM2-135M-Instruct`` for serving engines; the
+    check runs offline, so it exports for the converted local folder instead (same weights)."""
+    from models.target import resolve_path
+
+    name = identity.get("name_or_path")
+    if not name:
+        return None
+    try:
+        path = resolve_path(str(name))
+    except UserError:
+        return None
+    return path if Path(path).is_dir() else None
+
+
 # -- the side venv ------------------------------------------------------------------------------------
 def side_python() -> Path:
     """The side venv's python, built if missing (pip; torchvision/torchaudio removed: PyPI's break beside the CPU torch).
@@ -234,13 +251,14 @@ def check_drafts(cfg: DictConfig) -> tuple[list[dict], int]:
                 family, identity = draft_family(src)
                 rec["family"] = family
                 name = f"{n}-{family}"
-                exported = export_draft(src, fmt, work / f"{name}-{fmt}", verifier=cfg.verifier, dtype="float32")
+                local = cfg.verifier or local_verifier(identity)  # the side run loads the verifier: offline, a local folder
+                exported = export_draft(src, fmt, work / f"{name}-{fmt}", verifier=local, dtype="float32")
             except UserError as e:
                 rec["error"] = str(e)
                 print(f"error: {d}: {e}", file=sys.stderr, flush=True)
                 continue
-            target_name = str(cfg.verifier or identity.get("name_or_path"))
-            target = load_export_target(identity, cfg.verifier, src)
+            target_name = str(local or identity.get("name_or_path"))
+            target = load_export_target(identity, local, src)
             head = load_draft(src, target).eval()
             if target_name not in texts:
                 texts[target_name] = text_ids(target_name, cfg)
