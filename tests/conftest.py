@@ -130,3 +130,11 @@ def train_overrides(target_dir: Path, chats: Path, run_dir: Path, steps: int = 4
             "data.batch_size=4", "data.max_length=64", f"trainer.max_steps={steps}", "trainer.val_check_interval=2",
             "trainer.limit_val_batches=2", "trainer.precision=32", "trainer.enable_progress_bar=false",
             "trainer.log_every_n_steps=1", "draft.ttt_steps=3"]
+
+
+def compose_train(overrides: list[str]):
+    """The `python -m train` config composed with ``overrides`` (no Hydra run)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=overrides)

@@ -6,14 +6,8 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, train_overrides
-
-
-def compose_train(overrides):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=overrides)
+from conftest import compose_train, train_overrides
 
 
 @pytest.fixture(autouse=True)

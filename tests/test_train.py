@@ -10,15 +10,9 @@ import time
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, train_overrides
+from conftest import ROOT, compose_train, train_overrides
 from data.errors import UserError
-
-
-def compose_train(overrides):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=overrides)
 
 
 @pytest.fixture(autouse=True)
