@@ -11,12 +11,14 @@
   never another block (:func:`block_mask`). Slot k (1..B−1) is labelled with token a+k, the anchor slot is
   not trained; CE weighted ``exp(−(k−1)/γ)``.
 - Decoding: the context K/V of committed tokens is cached per layer and extended after each round; one
-  forward per round proposes up to B−1 tokens (the decoder then verifies them like any draft).
+  forward per round proposes up to B−1 tokens (the decoder then verifies them like any draft), or a tree at most
+  B−1 deep whose nodes at depth d all take their children from slot d+1 (the block does not see the drafts).
 Decoding always runs the whole trained block and keeps the first k slots (attention inside a block is
 bidirectional: a shorter block of MASKs is another input). Train with the largest block you decode with.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw
+from models.heads.trees import TreeSpec, grow_tree
 from models.layers import MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, frozen_linear
 from models.target import rope_theta
 
@@ -227,3 +230,17 @@ class DFlashHead(DraftHead):
         logits = self.lm_head(self._full_block(pending)[1: 1 + k])  # [k, V]
         tokens, q = draw(logits, sampler)  # [k], [k, V] or None
         return Proposal(tokens, q)
+
+    @torch.no_grad()
+    def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
+        """A draft tree at most B−1 deep from one block pass: slot d (1..B−1) gives the logits of every node at
+        depth d, so the children of any node at depth d are drawn from slot d+1 (the slots ``propose`` uses)."""
+        logits = self.lm_head(self._full_block(pending)[1:])  # [B−1, V]: slot d at row d−1
+        level = 0  # grow_tree expands one level per call, nodes at depth 1 first
+
+        def expand(nodes: list[int]) -> torch.Tensor:
+            nonlocal level
+            level += 1
+            return logits[level].expand(len(nodes), -1)  # [len(nodes), V]
+
+        return grow_tree(logits[0], expand, replace(tree, depth=min(tree.depth, self.block_size - 1)), sampler)

@@ -5,10 +5,13 @@ Head k (0-based) is ``W2_k(h + SiLU(W1_k h))`` and predicts token t+2+k from the
 (the target's own head predicts t+1). ``W2_k`` starts as a copy of the target's ``lm_head``, ``W1_k`` at zero,
 so an untrained head k repeats the target's next-token guess. Loss ``Σ_k step_decay**k · CE`` on the data
 tokens (``soft=true``: against the target's distribution at t+1+k instead). Proposals chain each head's
-top-1 (or a sample at T>0); trees come later. Heads do not see the pending token, as in Medusa-1.
+top-1 (or a sample at T>0), or grow a tree (:func:`models.heads.trees.grow_tree`) whose nodes at depth d all take
+their children from head d: the heads see neither the pending token nor the drafts, as in Medusa-1, so every
+node of a level has the same candidates (Medusa's tree of top-k products, here grown by path probability).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,6 +21,7 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
+from models.heads.trees import TreeSpec, grow_tree
 from models.layers import lookahead_loss
 
 
@@ -89,3 +93,17 @@ class MedusaHead(DraftHead):
             tokens.append(int(t))
             probs.append(q)
         return proposal(tokens, probs)
+
+    @torch.no_grad()
+    def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
+        """A draft tree at most ``num_heads`` deep: the children of every node at depth d (the root: 0) come from
+        head d's logits on the stored state, the same logits ``propose`` draws its token d+1 from."""
+        heads = self.logits(self._h)  # num_heads × [V]
+        level = 0  # grow_tree expands one level per call, nodes at depth 1 first
+
+        def expand(nodes: list[int]) -> torch.Tensor:
+            nonlocal level
+            level += 1
+            return heads[level].expand(len(nodes), -1)  # [len(nodes), V]
+
+        return grow_tree(heads[0], expand, replace(tree, depth=min(tree.depth, len(heads))), sampler)
