@@ -1,0 +1,81 @@
+"""`python -m eval.bench_decode` on a tiny random target: every field of bench_decode.json, and its bad inputs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT
+from data.errors import UserError
+
+
+def compose_bench(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("bench_decode", overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    p = tmp_path_factory.mktemp("p") / "prompts.jsonl"
+    p.write_text('{"prompt": "Write a poem about the sea. The sea is wide and deep and blue."}\n')
+    return p
+
+
+def base(target_dir, prompts, out) -> list[str]:
+    return [f"target.name_or_path={target_dir}", "eval_set=[jsonl]", f"eval_set.jsonl.path={prompts}", f"out_dir={out}",
+            "limit=1", "max_new_tokens=12", "k=3", "profile.context=32", "profile.top=5", "profile.repeat=2", "isolated_reps=1"]
+
+
+def test_bench_decode_writes_every_field(tiny_target_dir, prompts, tmp_path):
+    from eval.bench_decode import bench
+
+    # a random-weight Medusa head drafts trees (propose_tree); n-gram drafts chains of k
+    medusa = "+drafters.medusa={_target_:models.heads.medusa.MedusaHead,num_heads:2}"
+    cfg = compose_bench(base(tiny_target_dir, prompts, tmp_path) + [
+        medusa, "drafters.head.path=null", "temperatures=[0.0,1.0]", "tree={budget:4,depth:2,topk:2}"])
+    res = bench(cfg)
+    assert json.loads((tmp_path / "bench_decode.json").read_text()) == res
+    p = res["protocol"]
+    assert p["fast_linear"] is True and p["k"] == 3 and p["tree"]["budget"] == 4 and p["prompts"] == 1
+    assert set(p["drafters"]) == {"ngram", "medusa"}  # head: path null, skipped
+    assert set(res["results"]) == {"T=0", "T=1"}
+    for tname, row in res["results"].items():
+        assert row["t1_ms"] > 0 and set(row) == {"t1_ms", "plain", "ngram", "medusa"}
+        assert row["plain"]["tau"] == 1.0 and row["plain"]["mean_block"] == 1.0 and row["plain"]["drafted"] == 0
+        assert row["plain"]["speedup"] == 1.0 and row["plain"]["verify_cost_ratio"] == 1.0
+        for name in ("ngram", "medusa"):
+            m = row[name]
+            assert m["tau"] >= 1.0 and m["mean_block"] >= 1.0 and m["passes"] >= 1 and m["new_tokens"] >= 1
+            assert m["tokens_per_s"] > 0 and m["speedup"] > 0 and m["verify_cost_ratio"] > 0
+            assert 0 <= m["decoder_share"] <= 1 and all(0 <= v <= 1 for v in m["time_share"].values())
+            assert m["free_draft_bound"] == pytest.approx(m["tau"] / m["verify_cost_ratio"], rel=0.02)
+            assert m["realised_over_bound"] > 0 and m["isolated_verify_cost_ratio"] > 0
+            assert m["draft_cost_per_token"] is None or m["draft_cost_per_token"] > 0
+        assert row["medusa"]["tree"] is True and row["ngram"]["tree"] is False
+        assert row["medusa"]["drafted"] > 0 and row["medusa"]["draft_cost_per_token"] > 0
+        if tname == "T=0":
+            assert row["ngram"]["greedy_identical"] == "1/1" and row["medusa"]["greedy_identical"] == "1/1"
+    assert res["isolated"]["ratio"][0] == 1.0 and len(res["isolated"]["t_ms"]) >= 1
+    target_prof = res["profiles"]["target"]
+    assert "1" in target_prof and all(e["context"] == 32 for e in target_prof.values())
+    for e in [*target_prof.values(), *res["profiles"]["propose"].values()]:
+        assert 1 <= len(e["ops"]) <= 5 and e["self_cpu_ms"] > 0 and e["repeat"] == 2
+        assert all(o["name"] and o["calls"] > 0 and o["self_ms_per_call"] >= 0 for o in e["ops"])
+    assert res["profiles"]["propose"]["medusa"]["call"] == "propose_tree"
+    assert res["profiles"]["propose"]["ngram"]["call"] == "propose"
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["drafters.head.path=/nonexistent/head"], "no such directory"),
+    (["tree={budget:0,depth:2,topk:2}"], "budget=0"),
+    (["tree={budget:4,depth:2,width:2}"], "unknown key"),
+    (["tree={budget:x}"], "integers"),
+    (["k=0"], "k=0"),
+])
+def test_bench_decode_bad_input(tiny_target_dir, prompts, tmp_path, extra, expect):
+    from eval.bench_decode import bench
+
+    with pytest.raises(UserError, match=expect):
+        bench(compose_bench(base(tiny_target_dir, prompts, tmp_path) + extra))
