@@ -26,6 +26,8 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
+from models.heads.tree_paths import grow_on_paths
+from models.heads.trees import TreeSpec, ancestors, node_depths
 from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, shift_left,
                            soft_cross_entropy, ttt_attention)
 from models.target import rope_theta as target_rope_theta
@@ -207,8 +209,9 @@ class Eagle3Head(DraftHead):
         return i + int(self.d2t[i]), full
 
     @torch.no_grad()
-    def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
-        # 1) extend the context with the pending positions (causal among themselves)
+    def _extend(self, pending: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1 of every proposal: extend the context with the pending positions (causal among themselves; the
+        last one reads ``pending``). Returns the last position's pre-norm output [1, 1, d] and draft logits [Vd]."""
         nxt = torch.cat([self._pending_next, torch.tensor([pending], device=self._pending_next.device)])[None]  # [1, m]
         h = self._pending_h
         m = h.shape[1]
@@ -222,8 +225,14 @@ class Eagle3Head(DraftHead):
         h_out, logits = self.finish(h, o)
         self._pos += m
         self._pending_h, self._pending_next = h[:, :0], self._pending_next[:0]
+        return h_out[:, -1:], logits[0, -1]
+
+    @torch.no_grad()
+    def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
+        # 1) extend the context with the pending positions
+        last_h, last_logits = self._extend(pending)
+        dev = last_h.device
         # 2) chain: feed the draft's own pre-norm output and drafted token, positions advancing
-        last_h, last_logits = h_out[:, -1:], logits[0, -1]
         ks, vs = self._ctx_k, self._ctx_v
         tokens, probs = [], []
         for j in range(k):
@@ -232,9 +241,49 @@ class Eagle3Head(DraftHead):
             probs.append(qv)
             if j == k - 1:
                 break
-            q, k1, v1 = self.step(last_h, torch.tensor([[t]], device=h.device), torch.tensor([[self._pos + j]], device=h.device))
+            q, k1, v1 = self.step(last_h, torch.tensor([[t]], device=dev), torch.tensor([[self._pos + j]], device=dev))
             ks, vs = torch.cat([ks, k1], 2), torch.cat([vs, v1], 2)
             o = torch.nn.functional.scaled_dot_product_attention(q, ks, vs)
             last_h, lg = self.finish(last_h, o)
             last_logits = lg[0, -1]
         return proposal(tokens, probs)
+
+    def _to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [m, Vd] → fp32 [m, V] over the target vocabulary, −inf outside the draft vocabulary."""
+        out = torch.full((logits.shape[0], self.t2d.numel()), float("-inf"), device=logits.device)
+        out[:, self.draft_ids()] = logits.float()
+        return out
+
+    @torch.no_grad()
+    def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
+        """A draft tree (:func:`models.heads.trees.grow_tree`, EAGLE-2 style): one draft forward per level.
+
+        A node at depth j reads its parent's pre-norm output (depth 1: the last context position's), its own token
+        and position ``_pos + j − 1`` (a chain's step j−1), and attends to the context and to its ancestors and
+        itself. Node keys live only in this call: the context cache holds the committed positions alone."""
+        last_h, last_logits = self._extend(pending)  # [1, 1, d], [Vd]
+        dev = last_h.device
+        ctx_k, ctx_v = self._ctx_k, self._ctx_v  # [1, H, P, hd]
+        done: list[int] = []  # expanded nodes, in the order of the rows below
+        hs = last_h[0, :0]  # [N, d] their pre-norm outputs
+        node_k = node_v = ctx_k[:, :, :0]  # [1, H, N, hd] their keys/values
+
+        def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+            nonlocal hs, node_k, node_v
+            m, depth = len(nodes), int(node_depths(parents)[nodes[0]])
+            row = {nd: i for i, nd in enumerate(done)}
+            par = parents[nodes].tolist()
+            hid = torch.stack([hs[row[p]] if p >= 0 else last_h[0, 0] for p in par])[None]  # [1, m, d]
+            pos = torch.full((1, m), self._pos + depth - 1, device=dev)
+            q, k, v = self.step(hid, tokens[nodes].to(dev)[None], pos)  # [1, H, m, hd]
+            done.extend(nodes)
+            node_k, node_v = torch.cat([node_k, k], 2), torch.cat([node_v, v], 2)
+            sees = ancestors(parents)[nodes][:, done].to(dev)  # [m, N]: ancestors and itself among the keyed nodes
+            mask = torch.cat([torch.ones(m, ctx_k.shape[2], dtype=torch.bool, device=dev), sees], 1)  # [m, P+N]
+            o = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([ctx_k, node_k], 2), torch.cat([ctx_v, node_v], 2),
+                                                                 attn_mask=mask)
+            h, logits = self.finish(hid, o)  # [1, m, d], [1, m, Vd]
+            hs = torch.cat([hs, h[0]])
+            return self._to_target(logits[0])
+
+        return grow_on_paths(self._to_target(last_logits[None])[0], expand, tree, sampler)

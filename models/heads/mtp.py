@@ -47,6 +47,7 @@ input_proj/final_layernorm (:mod:`models.formats`).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,6 +57,8 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
+from models.heads.tree_paths import grow_on_paths
+from models.heads.trees import TreeSpec, node_depths, path_to
 from models.layers import (Attention, DecoderLayer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding,
                            frozen_linear, lookahead_loss, shift_left)
 from models.target import rope_theta
@@ -78,9 +81,11 @@ class MTPModule(nn.Module):
         self.norm_output = norm_output
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h_prev, emb [B, m, d] at m consecutive positions; past (k, v) [B, H, P, hd] of the P positions before
-        them (None: training, plain causal over the m positions).
+        them (None: training, plain causal over the m positions); ``mask`` bool [m, P+m] (with past; default:
+        causal after all past keys; a draft tree packs several paths' rows into one block).
         Returns the output [B, m, d] handed to the next depth (pre-norm, or normed with ``norm_output``) and these
         positions' k, v [B, H, m, hd]."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))  # [B, m, d]
@@ -90,7 +95,8 @@ class MTPModule(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             P, m = past[0].shape[2], q.shape[2]
-            mask = torch.ones(m, P + m, dtype=torch.bool, device=q.device).tril(P)  # causal, after all past keys
+            if mask is None:
+                mask = torch.ones(m, P + m, dtype=torch.bool, device=q.device).tril(P)  # causal, after all past keys
             o = F.scaled_dot_product_attention(q, torch.cat([past[0], k], 2), torch.cat([past[1], v], 2), attn_mask=mask)
         x = x + blk.self_attn.out(o)
         x = x + blk.mlp(blk.post_attention_layernorm(x))
@@ -211,13 +217,7 @@ class MTPHead(DraftHead):
         tokens, probs = [], []
         out = None  # depth j-1's states this round, at positions c_{j-1}..n-1
         for j in range(1, steps + 1):
-            if len(self._kv) < j:  # a new depth (first round, or deeper than ever with reuse_last_module)
-                attn = self.module(j).block.self_attn
-                empty = self._rows[0].new_zeros(1, attn.n_heads, 0, attn.hd)
-                self._kv.append((empty, empty))
-                self._rows.append(self._rows[0][:, :0])
-            ck, cv = self._kv[j - 1]
-            c = ck.shape[2]
+            (ck, cv), c = self._depth(j)
             prev = self._rows[j - 1] if out is None else torch.cat([self._rows[j - 1], out], 1)  # [1, n-c, d]
             pos = torch.arange(c, n, device=seq.device)[None]  # [1, n-c]
             cos, sin = self.rotary(pos)
@@ -236,3 +236,78 @@ class MTPHead(DraftHead):
         if tokens and (last < self.num_steps or self.reuse_last_module):  # keep the deepest run's known states for depth last+1
             self._rows[last] = torch.cat([self._rows[last], out[:, : last_known - last_c]], 1)
         return proposal(tokens, probs)
+
+    def _depth(self, j: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+        """Depth j's cache and its length c; a new depth (first round, or deeper than ever with reuse_last_module)
+        starts empty."""
+        if len(self._kv) < j:
+            attn = self.module(j).block.self_attn
+            empty = self._rows[0].new_zeros(1, attn.n_heads, 0, attn.hd)
+            self._kv.append((empty, empty))
+            self._rows.append(self._rows[0][:, :0])
+        return self._kv[j - 1], self._kv[j - 1][0].shape[2]
+
+    def _tree_depth(self, j: int, seq: torch.Tensor, below: torch.Tensor | None, paths: torch.Tensor,
+                    spec_below: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Module j for m frontier nodes of depth j−1 (j = 1: the root alone, m = 1) in one tree round.
+
+        seq [n+1] x_0..x_n; below: depth j−1's known states of this round [1, known_{j-1}−c_{j-1}, d] (j = 1: None);
+        paths [m, j−1]: each node's drafts d_1..d_{j−1}; spec_below [m, n−known_{j-1}, d]: depth j−1's states of each
+        node's parent at the positions that read drafts. Returns depth j's known states [1, known−c, d] (the same
+        for every path; cached once), its speculative states [m, n−known, d] and the logits at n−1 [m, V]."""
+        n, dev = seq.numel() - 1, seq.device
+        (ck, cv), c = self._depth(j)
+        mod = self.module(j)
+        prev = self._rows[j - 1] if below is None else torch.cat([self._rows[j - 1], below], 1)  # [1, known_{j-1}-c, d]
+        known = max(0, n - j + 1)  # positions whose token t+j is known
+        out = prev[:, :0]
+        if known > c:  # the shared positions c..known-1, once, into depth j's cache
+            pos = torch.arange(c, known, device=dev)[None]
+            cos, sin = self.rotary(pos)
+            out, k_new, v_new = mod(prev[:, : known - c], self.embed_tokens(seq[pos + j]), cos, sin, (ck, cv))
+            ck, cv = torch.cat([ck, k_new], 2), torch.cat([cv, v_new], 2)
+            self._kv[j - 1] = (ck, cv)
+        self._rows[j - 1] = prev[:, known - c:]  # depth j-1 states depth j has not cached yet
+        m, s = paths.shape[0], n - known  # s: positions known..n-1 read drafts (j = 1: none)
+        if s == 0:
+            return out, out[:, :0].expand(m, -1, -1), self.logits(j, out[:, -1]).expand(m, -1)
+        pos = torch.arange(known, n, device=dev)  # [s]
+        emb = self.embed_tokens(paths[:, pos + j - n - 1])  # [m, s, d]: position t reads d_{t+j-n}
+        h_prev = torch.cat([self._rows[j - 1].expand(m, -1, -1), spec_below], 1)  # [m, s, d]: known rows, then the path's
+        cos, sin = self.rotary(pos.repeat(m)[None])
+        own = torch.block_diag(*[torch.ones(s, s, dtype=torch.bool, device=dev).tril()] * m)  # [m·s, m·s]
+        mask = torch.cat([torch.ones(m * s, ck.shape[2], dtype=torch.bool, device=dev), own], 1)  # cache + own rows
+        o, _, _ = mod(h_prev.reshape(1, m * s, -1), emb.reshape(1, m * s, -1), cos, sin, (ck, cv), mask)
+        o = o.view(m, s, -1)
+        return out, o, self.logits(j, o[:, -1])  # position n-1 predicts the token after each node
+
+    @torch.no_grad()
+    def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
+        """A draft tree (:func:`models.heads.trees.grow_tree`): module j expands the nodes of depth j−1, one forward
+        per level (:meth:`_tree_depth`).
+
+        Every path is the chain ``propose`` would run with that path's drafts. At depth j the positions < known =
+        n−j+1 read only known tokens: they are the same for every path, run once and enter depth j's cache (as in
+        the chain). The last n−known positions read drafts (position t: token t+j, d_1..d_{j−1} of the path) and the
+        parent path's depth-(j−1) states: they run per frontier node, all nodes packed into one block whose mask lets
+        each node's rows see the cache and, causally, only its own rows. Nothing speculative is cached."""
+        if not self.reuse_last_module:
+            tree = replace(tree, depth=min(tree.depth, self.num_steps))
+        seq = torch.cat([self._ids, self._ids.new_tensor([pending])])  # x_0..x_n
+        below, spec, root = self._tree_depth(1, seq, None, seq.new_zeros(1, 0), None)
+        deepest = 1
+        states = {-1: spec[0]}  # node → its children's module's states at the positions that read drafts [s, d]
+
+        def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+            nonlocal below, deepest
+            deepest = int(node_depths(parents)[nodes[0]]) + 1
+            paths = torch.stack([tokens[path_to(x, parents)] for x in nodes]).to(seq.device)  # [m, deepest-1]
+            spec_below = torch.stack([states[int(parents[x])] for x in nodes])
+            below, spec, logits = self._tree_depth(deepest, seq, below, paths, spec_below)
+            states.update({x: spec[i] for i, x in enumerate(nodes)})
+            return logits
+
+        prop = grow_on_paths(root[0], expand, tree, sampler)
+        if deepest < self.num_steps or self.reuse_last_module:  # keep the deepest run's known states for the next depth
+            self._rows[deepest] = torch.cat([self._rows[deepest], below], 1)
+        return prop
