@@ -3,6 +3,7 @@
     python -m eval                                            # n-gram + the EAGLE-3 run of `python -m train`
     python -m eval drafters.eagle3.path=runs/eagle3-quick/draft eval_set=[mtbench] limit=10
     python -m eval eval_set=[jsonl] eval_set.jsonl.path=my_prompts.jsonl temperatures=[0]
+    python -m eval +drafters.eagle3_tree='{_target_: eval.run.load_head, path: runs/eagle3-embedded/draft, tree: {budget: 16, depth: 6, topk: 4}}'
 
 Writes ``results.json``, ``results.md`` (the table, with the protocol) and ``acceptance.png`` into the run
 directory and prints the table.
@@ -26,8 +27,8 @@ def run(cfg: DictConfig) -> dict:
     from eval.sets import PromptLengthPolicy
 
     policy = PromptLengthPolicy(cfg.get("max_prompt_tokens"), getattr(target.config, "max_position_embeddings", None),
-                                cfg.max_new_tokens, cfg.k)
-    drafters = {name: build_drafter(node, target) for name, node in (cfg.drafters or {}).items() if node is not None}
+                                cfg.max_new_tokens, max(cfg.k if isinstance(cfg.k, int) else 0, 16))  # room for k=auto or a tree
+    drafters = {name: build_drafter(node, target, name) for name, node in (cfg.drafters or {}).items() if node is not None}
     sets = build_sets(cfg)
     protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""))
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,

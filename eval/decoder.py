@@ -1,4 +1,4 @@
-"""One speculative decoder for every drafter (chain drafts; batch size 1).
+"""One speculative decoder for every drafter (chains and trees; batch size 1).
 
 Loop: prefill the prompt; then each round the drafter proposes up to k tokens after the pending token x,
 the target verifies ``[x, d_1..d_k]`` in one forward over its KV cache, the longest acceptable prefix
@@ -8,6 +8,10 @@ the new pending token. Output is exactly the target's:
 - sampling: accept ``d_i`` with probability ``min(1, p(d_i)/q(d_i))``, on rejection draw from
   ``norm(max(0, p − q))`` (Leviathan et al., arXiv 2211.17192); a drafter that gives no distribution is
   treated as one-hot q, which is the same as sampling y ~ p and accepting iff y == d_i.
+Trees (``tree=TreeSpec(...)``, drafters with ``propose_tree``): the target verifies every node in one forward
+under a tree attention mask with positions by depth, keeps the longest accepted root-to-node path
+(:func:`accept_tree`; sampling: recursive rejection over siblings) and compacts that path's K/V in its cache
+(:func:`keep_rows`). A chain is the tree with one child per node, and takes the chain code path.
 τ (``tau``) = tokens produced by verification passes / number of passes, bonus included (plain decoding: 1).
 
 The decoder knows drafters only through the drafting contract of :mod:`models.heads.drafting`
@@ -18,17 +22,18 @@ their target features, so the drafter can extend its own context).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from data.errors import UserError
-from models.heads.drafting import Drafter, Proposal, Sampler
+from models.heads.drafting import Drafter, Proposal, Sampler, TreeDrafter
+from models.heads.trees import TreeSpec, node_depths, tree_mask
 from models.target import TargetOutput
 
-__all__ = ["Drafter", "GenStats", "NoDrafter", "Proposal", "Sampler", "SpeculativeDecoder", "accept_greedy",
-           "accept_sampling", "crop"]
+__all__ = ["Drafter", "GenStats", "NoDrafter", "Proposal", "Sampler", "SpeculativeDecoder", "TreeDrafter", "TreeSpec",
+           "accept_greedy", "accept_sampling", "accept_tree", "crop", "keep_rows"]
 
 
 class NoDrafter:
@@ -49,6 +54,7 @@ class GenStats:
     new_tokens: int = 0
     passes: int = 0                       # target verification passes (prefill excluded)
     verified_tokens: int = 0              # tokens produced by verification passes
+    drafted: int = 0                      # drafted tokens (tree nodes) sent to verification
     accepted_hist: list[int] = field(default_factory=list)   # accepted drafted tokens per pass
     proposed_at: list[int] = field(default_factory=list)     # [i]: passes in which position i+1 was proposed and reached
     accepted_at: list[int] = field(default_factory=list)     # [i]: ... and accepted
@@ -100,6 +106,59 @@ def accept_sampling(draft: torch.Tensor, q: torch.Tensor | None, logits: torch.T
     return draft.numel(), sampler.sample(p[-1])
 
 
+def accept_tree(draft: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
+                sampler: Sampler) -> tuple[list[int], int]:
+    """Walk a verified tree from the root. draft, parents [n]; q [n, V] or None; logits [1+n, V] (row 0: the
+    pending token, row 1+i: node i) → (accepted node indices root-down, next token).
+
+    Greedy: follow the child whose token is the target's argmax. Sampling: recursive rejection over the siblings
+    in their drawn order (SpecInfer; without replacement): sibling c is accepted with probability
+    min(1, p(d_c)/q'(d_c)), where q' is q with the earlier rejected siblings removed and renormalised; on
+    rejection p becomes norm(max(0, p − q')). Nobody accepted: the next token is drawn from what is left of p.
+    With one child per node this is :func:`accept_sampling`, draw for draw."""
+    kids: dict[int, list[int]] = {}
+    for i, par in enumerate(parents.tolist()):
+        kids.setdefault(par, []).append(i)
+    path: list[int] = []
+    cur = -1
+    g = sampler.generator
+    while True:
+        row = logits[cur + 1]
+        cand = kids.get(cur, [])
+        if sampler.greedy:
+            y = int(row.argmax())
+            hit = next((c for c in cand if int(draft[c]) == y), None)
+            if hit is None:
+                return path, y
+        else:
+            p = sampler.probs(row)
+            hit, qs = None, None
+            for c in cand:
+                d = int(draft[c])
+                if q is None:  # deterministic candidate: one-hot q
+                    qc = torch.zeros_like(p)
+                    qc[d] = 1.0
+                else:
+                    if qs is None:
+                        qs = q[c]
+                    qc = qs
+                if float(torch.rand((), generator=g)) < min(1.0, float(p[d]) / max(float(qc[d]), 1e-30)):
+                    hit = c
+                    break
+                residual = (p - qc).clamp_min(0)
+                s = float(residual.sum())
+                if s > 0:
+                    p = residual / s
+                if q is not None:  # the next sibling was drawn from q without this token
+                    qs = qc.clone()
+                    qs[d] = 0
+                    qs = qs / qs.sum().clamp_min(1e-30)
+            if hit is None:
+                return path, sampler.sample(p)
+        path.append(hit)
+        cur = hit
+
+
 class SpeculativeDecoder:
     """Batch-size-1 speculative decoding of a frozen target with any :class:`Drafter`."""
 
@@ -109,15 +168,19 @@ class SpeculativeDecoder:
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, drafter: Drafter, k: int = 5, max_new_tokens: int = 128,
-                 sampler: Sampler | None = None, record_top: int = 0) -> tuple[list[int], GenStats]:
+    def generate(self, prompt_ids: torch.Tensor, drafter: Drafter, k: "int | Any" = 5, max_new_tokens: int = 128,
+                 sampler: Sampler | None = None, record_top: int = 0, tree: TreeSpec | None = None) -> tuple[list[int], GenStats]:
         """prompt_ids [T] or [1, T] → (new token ids, stats). Stops at EOS (included) or exactly max_new_tokens.
+
+        ``tree``: drafters with ``propose_tree`` (:class:`TreeDrafter`) propose trees of this shape, others
+        chains of ``k``. ``k`` may be an :class:`eval.autok.AutoK` (``k=auto``), which picks each round's length.
 
         ``record_top`` > 0 (greedy only): keep, for every new token, the target's top ``record_top`` ids and
         logits at the position that chose it (``stats.top``), so a divergence can be told from a near-tie."""
         from transformers import DynamicCache
 
-        if k < 0:
+        auto = hasattr(k, "choose")  # eval.autok.AutoK: the draft length is chosen every round
+        if not auto and k < 0:
             raise UserError(f"draft length k={k}: must be >= 1 (0 for plain decoding)")
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens={max_new_tokens}: must be >= 1")
@@ -137,38 +200,62 @@ class SpeculativeDecoder:
         cached = ids.shape[1]  # tokens in the target cache
         while len(new) < max_new_tokens and new[-1] not in self.eos:
             budget = max_new_tokens - len(new)
-            kk = min(k, budget - 1)  # the pass also yields a bonus token
+            kk = k.choose(budget - 1) if auto else min(k, budget - 1)  # the pass also yields a bonus token
             t1 = time.perf_counter()
-            prop = drafter.propose(new[-1], kk, sampler) if kk > 0 else Proposal(torch.empty(0, dtype=torch.long))
-            draft = prop.tokens[:kk].to(torch.long)
-            t2 = time.perf_counter()
-            block = torch.cat([torch.tensor([new[-1]]), draft]).view(1, -1)  # [1, 1+k]
-            vout = self.target(block, cache=cache, use_cache=True)
-            vlogits = self.target.model.lm_head(vout.last_state)[0]  # [1+k, V]
-            t3 = time.perf_counter()
-            if sampler.greedy:
-                n, nxt = accept_greedy(draft, vlogits)
+            if kk <= 0:
+                prop = Proposal(torch.empty(0, dtype=torch.long))
+            elif tree is not None and hasattr(drafter, "propose_tree"):
+                prop = drafter.propose_tree(new[-1], replace(tree, depth=min(tree.depth, budget - 1)), sampler)
             else:
-                n, nxt = accept_sampling(draft, None if prop.probs is None else prop.probs[:kk], vlogits, sampler)
+                prop = drafter.propose(new[-1], kk, sampler)
+            is_tree = prop.parents is not None
+            draft = prop.tokens.to(torch.long) if is_tree else prop.tokens[:kk].to(torch.long)
+            t2 = time.perf_counter()
+            block = torch.cat([torch.tensor([new[-1]]), draft]).view(1, -1)  # [1, 1+n]
+            if is_tree:  # one forward over the whole tree: tree attention mask, positions by depth
+                depth = node_depths(prop.parents)
+                pos = cached + torch.cat([depth.new_zeros(1), depth])[None]  # [1, 1+n]
+                mask = tree_mask(prop.parents, cached)
+                bias = torch.zeros(mask.shape, dtype=getattr(self.target.model, "dtype", torch.float32)).masked_fill_(~mask, float("-inf"))
+                vout = self.target(block, attention_mask=bias[None, None], position_ids=pos, cache=cache, use_cache=True)
+            else:
+                vout = self.target(block, cache=cache, use_cache=True)
+            vlogits = self.target.model.lm_head(vout.last_state)[0]  # [1+n, V]
+            t3 = time.perf_counter()
+            if is_tree:
+                path, nxt = accept_tree(draft, prop.parents, prop.probs, vlogits, sampler)
+                keep = [0] + [1 + i for i in path]  # block rows of the accepted path
+                keep_rows(cache, cached, keep)
+                n, reached = len(path), int(depth.max()) if draft.numel() else 0
+            else:
+                if sampler.greedy:
+                    n, nxt = accept_greedy(draft, vlogits)
+                else:
+                    n, nxt = accept_sampling(draft, None if prop.probs is None else prop.probs[:kk], vlogits, sampler)
+                keep, reached = list(range(1 + n)), draft.numel()
+                crop(cache, cached + 1 + n)
             cached += 1 + n
-            crop(cache, cached)
-            accepted = draft[:n].tolist()
+            stats.drafted += draft.numel()
+            accepted = block[0, keep[1:]].tolist()
             stop = next((i for i, t in enumerate(accepted) if t in self.eos), None)  # EOS inside the accepted block
             if stop is not None:
                 accepted = accepted[: stop + 1]
-            stats.add_round(draft.numel(), n)
+            stats.add_round(reached, n)
             produced = accepted + ([nxt] if stop is None else [])
             stats.verified_tokens += len(produced)
             if record_top and sampler.greedy:
-                _record_top(stats, vlogits, len(produced), record_top)
+                _record_top(stats, vlogits[keep], len(produced), record_top)
             new += produced
+            t_draft_before = stats.t_draft
             stats.t_draft += t2 - t1
             stats.t_verify += t3 - t2
             if stop is not None or nxt in self.eos:
                 break
             t4 = time.perf_counter()
-            drafter.commit(block[0, : 1 + n], _slice(vout, 1 + n))
+            drafter.commit(block[0, keep], _rows(vout, keep))
             stats.t_draft += time.perf_counter() - t4
+            if auto:
+                k.update(reached, n, stats.t_draft - t_draft_before, draft.numel())
         stats.new_tokens = len(new)
         stats.t_total = time.perf_counter() - t0
         return new, stats
@@ -187,6 +274,21 @@ def crop(cache: Any, length: int) -> None:
         cache.crop(-extra)
 
 
-def _slice(out: TargetOutput, n: int) -> TargetOutput:
-    """The first n positions of a target output (the accepted part of a verify block)."""
-    return TargetOutput(tap_states=out.tap_states[:, :n], last_state=out.last_state[:, :n])
+def keep_rows(cache: Any, start: int, rows: list[int]) -> None:
+    """After verifying a block at cache positions ``start..``: keep the block's ``rows`` (the accepted path) at
+    ``start, start+1, ...`` and drop the rest. A chain's path is a prefix, so that is a crop; a tree's path is
+    compacted in place (one gather per layer)."""
+    if rows != list(range(len(rows))):
+        sel = torch.tensor(rows) + start
+        for layer in cache.layers:
+            layer.keys[..., start: start + len(rows), :] = layer.keys[..., sel, :]
+            layer.values[..., start: start + len(rows), :] = layer.values[..., sel, :]
+    crop(cache, start + len(rows))
+
+
+def _rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
+    """The given positions of a target output (the accepted path of a verify block)."""
+    if rows == list(range(len(rows))):
+        return TargetOutput(tap_states=out.tap_states[:, : len(rows)], last_state=out.last_state[:, : len(rows)])
+    idx = torch.tensor(rows)
+    return TargetOutput(tap_states=out.tap_states[:, idx], last_state=out.last_state[:, idx])

@@ -80,12 +80,28 @@ class Agg:
         return out
 
 
-def build_drafter(node: Any, target: Any) -> Any:
-    """Instantiate a drafter config; factories that take ``target`` get it (trained heads need their target)."""
+def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
+    """Instantiate a drafter config; factories that take ``target`` get it (trained heads need their target).
+    A ``tree:`` key (budget, depth, topk, min_prob: :class:`models.heads.trees.TreeSpec`) makes the drafter
+    propose trees (``drafter.tree_spec``); the same head can be listed twice, as a chain and as a tree."""
+    from omegaconf import OmegaConf
+
+    from models.heads.trees import TreeSpec
+
+    node = OmegaConf.create(node) if isinstance(node, dict) else node.copy()
+    tree = node.pop("tree", None) if "tree" in node else None
     part = instantiate(node, _partial_=True)
     fn = part.func if hasattr(part, "func") else part
     takes_target = "target" in inspect.signature(fn).parameters
-    return part(target=target) if takes_target else part()
+    drafter = part(target=target) if takes_target else part()
+    if tree is not None:
+        if not hasattr(drafter, "propose_tree"):
+            raise UserError(f"drafters.{name}.tree: {type(drafter).__name__} drafts chains only (remove tree:)")
+        try:
+            drafter.tree_spec = TreeSpec(**OmegaConf.to_container(tree))
+        except TypeError as e:
+            raise UserError(f"drafters.{name}.tree: {e} (keys: budget, depth, topk, min_prob)") from None
+    return drafter
 
 
 def load_head(path: str, target: Any) -> Any:
@@ -142,12 +158,15 @@ def encode_prompt(tokenizer: Any, messages: list[dict]) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[Any], temperatures: list[float],
-             k: int = 5, max_new_tokens: int = 128, top_p: float = 1.0, seed: int = 0, eos_token_ids: list[int] | None = None,
+             k: int | str = 5, max_new_tokens: int = 128, top_p: float = 1.0, seed: int = 0, eos_token_ids: list[int] | None = None,
              tie_ulps: float | None = None,
              log=print, prompt_policy: Any = None) -> dict:
     """``prompt_policy``: over-long prompts (``eval.sets.PromptLengthPolicy``: truncate from the left, counted)."""
-    if k < 1:
-        raise UserError(f"k={k}: the draft length must be >= 1")
+    autok = None
+    if k == "auto":  # eval.autok: each drafter learns its acceptance and picks k per round against the measured verify curve
+        autok = auto_k_factory(target)
+    elif not isinstance(k, int) or k < 1:
+        raise UserError(f"k={k}: the draft length must be an integer >= 1, or auto")
     for t in temperatures:
         Sampler(float(t), top_p)  # validates
     dec = SpeculativeDecoder(target, eos_token_ids if eos_token_ids is not None else _eos_ids(target, tokenizer))
@@ -161,6 +180,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
         for temp in temperatures:
             temp = float(temp)
             aggs = {name: Agg() for name in ["plain", *drafters]}
+            ks = {name: (autok() if autok else k) for name in drafters}  # AutoK learns per drafter and temperature
             for ci, conv in enumerate(convs):
                 histories = {name: ([{"role": "system", "content": conv["system"]}] if conv.get("system") else [])
                              for name in aggs}
@@ -174,8 +194,9 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                         if prompt_policy is not None:
                             ids = prompt_policy(ids, (pset.name, ci, ti))
                         g = torch.Generator().manual_seed(hash((seed, ci, ti)) % (2**31))
-                        out, st = dec.generate(ids, drafter, k=0 if name == "plain" else k, max_new_tokens=max_new_tokens,
-                                               sampler=Sampler(temp, top_p, generator=g), record_top=4 if name == "plain" else 0)
+                        out, st = dec.generate(ids, drafter, k=0 if name == "plain" else ks[name], max_new_tokens=max_new_tokens,
+                                               sampler=Sampler(temp, top_p, generator=g), record_top=4 if name == "plain" else 0,
+                                               tree=getattr(drafter, "tree_spec", None))
                         aggs[name].add(st)
                         if name == "plain":
                             plain_out, plain_top = out, st.top
@@ -194,6 +215,10 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
             row = {}
             for name, a in aggs.items():
                 row[name] = a.summary(None if name == "plain" else aggs["plain"])
+                if name != "plain" and autok:
+                    chosen = ks[name].chosen
+                    row[name]["auto_k"] = {"mean": round(sum(chosen) / max(len(chosen), 1), 2),
+                                           "histogram": {str(v): chosen.count(v) for v in sorted(set(chosen))}}
                 if name != "plain" and temp == 0:
                     row[name]["greedy_identical"] = f"{a.identical}/{a.generations}"
                     row[name]["numerical_ties"] = a.ties
@@ -202,6 +227,19 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
             results.setdefault(pset.name, {})[f"T={temp:g}"] = row
     target.set_tap_layers(default_taps)
     return results
+
+
+def auto_k_factory(target: Any, max_k: int = 8, context: int = 256, reps: int = 3):
+    """Measure the target's verify curve once (:func:`eval.planner.verify_costs`) → a factory of fresh
+    :class:`eval.autok.AutoK` policies on it."""
+    from eval.autok import AutoK
+    from eval.planner import verify_costs
+
+    device = str(next(target.parameters()).device)
+    costs = verify_costs(target.model, max_k, context, reps, device)
+    ratio = [c / costs[0] for c in costs]
+    print("k=auto: verify cost T(1+d)/T(1) = " + ", ".join(f"{r:.2f}" for r in ratio) + f" (T(1) {costs[0] * 1e3:.1f} ms)", flush=True)
+    return lambda: AutoK(ratio, costs[0], max_k)
 
 
 def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
@@ -217,7 +255,8 @@ def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
 
 def markdown_table(results: dict, protocol: dict) -> str:
     """One row per (set, temperature, drafter)."""
-    k = protocol["k"]
+    k = max([protocol["k"] if isinstance(protocol["k"], int) else 0] + [len(r["acceptance_per_position"]) for by_t in results.values() for by_d in by_t.values()
+                                for r in by_d.values()])  # trees may reach deeper than k
     head = ["set", "T", "drafter", "τ", *[f"acc@{i + 1}" for i in range(k)], "tok/s", "speed-up", "draft", "verify", "decoder", "greedy = plain"]
     lines = [f"Protocol: template `{protocol['template']}`, max_new_tokens={protocol['max_new_tokens']}, k={k}, "
              f"top_p={protocol['top_p']}, prompts per set ≤ {protocol['limit']}, target `{protocol['target']}`", "",

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from data.errors import UserError
+from models.cpu_linear import pack_linears
 from models.gguf import SMOLLM2, converted_dir
 
 EMBEDDED = "embedded"
@@ -105,7 +106,8 @@ class FrozenTarget(nn.Module):
     """A causal LM frozen in eval mode, returning tap hidden states, the last hidden state and (optionally) logits."""
 
     def __init__(self, name_or_path: str | None = EMBEDDED, tap_layers: Sequence[int] | None = None,
-                 dtype: str = "float32", model: nn.Module | None = None, tap_method: str = "eagle3"):
+                 dtype: str = "float32", model: nn.Module | None = None, tap_method: str = "eagle3",
+                 fast_linear: bool = True):
         super().__init__()
         if model is None:
             if not name_or_path:
@@ -122,6 +124,8 @@ class FrozenTarget(nn.Module):
             model = model.to(resolve_dtype(dtype))
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "module")
         self.model = model.eval().requires_grad_(False)
+        # fp32 on a CPU: multi-row products through oneDNN with packed weights (models.cpu_linear; one row keeps MKL)
+        self.packed_linears = pack_linears(self.model) if fast_linear else 0
         self.num_layers: int = self.model.config.num_hidden_layers
         self.set_tap_layers(list(tap_layers) if tap_layers is not None else default_tap_layers(self.num_layers, tap_method))
 

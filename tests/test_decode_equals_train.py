@@ -94,3 +94,50 @@ def test_eagle3_freeze_lm_head():
     assert head.lm_head.weight.requires_grad
     _, frozen = make_head(cfg, draft_vocab_size=96, freeze_lm_head=True)
     assert not frozen.lm_head.weight.requires_grad and "lm_head.weight" not in {n for n, p in frozen.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
+def test_tree_nodes_equal_the_teacher_forced_training_forward(cfg_path):
+    """``propose_tree`` (every family that drafts trees): each node's siblings are the top tokens (T=0) of the
+    training forward teacher-forced on the node's path, and at T=1 their q is its softmax; committing a path of
+    the tree leaves the head where committing that chain would (later proposals still equal training)."""
+    from models.heads.trees import TreeSpec, path_to
+
+    target, head = _perturbed(cfg_path)
+    if not hasattr(head, "propose_tree"):
+        pytest.skip(f"{cfg_path.stem} drafts chains only")
+    spec = TreeSpec(budget=10, depth=min(4, head.num_steps), topk=3)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (9,), generator=g)
+    head.start(ids, target(ids[None]))
+    for round_ in range(4):
+        pending = int(torch.randint(0, 128, (), generator=g))
+        at = ids.numel() - 1
+        sampled = copy.deepcopy(head).propose_tree(pending, spec, Sampler(1.0, generator=torch.Generator().manual_seed(round_)))
+        tree = head.propose_tree(pending, spec, Sampler())
+        for prop, greedy in ((tree, True), (sampled, False)):
+            par = prop.parents.tolist()
+            assert 1 <= len(par) <= spec.budget and all(p < i for i, p in enumerate(par))
+            assert int(max(len(path_to(i, prop.parents)) for i in range(len(par)))) <= spec.depth
+            for parent in sorted(set(par)):
+                kids = [i for i, p in enumerate(par) if p == parent]
+                path = path_to(parent, prop.parents) if parent >= 0 else []
+                seq = torch.cat([ids, torch.tensor([pending]), prop.tokens[path]])
+                tf = head.teacher_forced_logits(seq[None], target(seq[None]), at, len(path) + 1)[-1]  # [V]
+                if greedy:
+                    top = tf.topk(len(kids)).indices.tolist()
+                    assert prop.tokens[kids].tolist() == top, f"round {round_}, parent {parent}"
+                else:
+                    torch.testing.assert_close(prop.probs[kids[0]].float(), torch.softmax(tf, -1), atol=2e-5, rtol=1e-4)
+                    assert len(set(prop.tokens[kids].tolist())) == len(kids)  # drawn without replacement
+        # accept the path to some node (round 0: none), then check a chain proposal still equals training
+        node = [-1, 0, len(tree.parents) - 1, int(tree.parents[-1])][round_]
+        path = path_to(node, tree.parents) if node >= 0 else []
+        block = torch.cat([torch.tensor([pending]), tree.tokens[path]])
+        ids = torch.cat([ids, block])
+        head.commit(block, _tail(target, ids, block.numel()))
+        pending = int(torch.randint(0, 128, (), generator=g))
+        drafts = copy.deepcopy(head).propose(pending, 2, Sampler()).tokens
+        seq = torch.cat([ids, torch.tensor([pending]), drafts])
+        tf = head.teacher_forced_logits(seq[None], target(seq[None]), ids.numel() - 1, drafts.numel())
+        assert tf.argmax(-1).tolist() == drafts.tolist()

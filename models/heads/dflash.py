@@ -28,7 +28,7 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw
-from models.heads.trees import TreeSpec, grow_tree
+from models.heads.trees import TreeSpec, grow_tree, node_depths
 from models.layers import MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, frozen_linear
 from models.target import rope_theta
 
@@ -236,11 +236,9 @@ class DFlashHead(DraftHead):
         """A draft tree at most B−1 deep from one block pass: slot d (1..B−1) gives the logits of every node at
         depth d, so the children of any node at depth d are drawn from slot d+1 (the slots ``propose`` uses)."""
         logits = self.lm_head(self._full_block(pending)[1:])  # [B−1, V]: slot d at row d−1
-        level = 0  # grow_tree expands one level per call, nodes at depth 1 first
 
-        def expand(nodes: list[int]) -> torch.Tensor:
-            nonlocal level
-            level += 1
-            return logits[level].expand(len(nodes), -1)  # [len(nodes), V]
+        def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+            depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth
+            return logits[depth].expand(len(nodes), -1)  # [len(nodes), V]
 
         return grow_tree(logits[0], expand, replace(tree, depth=min(tree.depth, self.block_size - 1)), sampler)

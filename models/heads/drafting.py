@@ -18,6 +18,7 @@ import torch
 from data.errors import UserError
 
 if TYPE_CHECKING:
+    from models.heads.trees import TreeSpec
     from models.target import TargetOutput
 
 
@@ -70,8 +71,13 @@ def draw(logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Te
 
 @dataclass
 class Proposal:
+    """Drafted tokens: a chain (``parents`` None) or a tree (:mod:`models.heads.trees`): nodes in topological
+    order, ``parents[i]`` the index of node i's parent (−1: the pending token). When sampling, siblings are drawn
+    without replacement from one distribution, in their listed order, and ``probs[i]`` is that distribution."""
+
     tokens: torch.Tensor                  # [k] drafted token ids
     probs: torch.Tensor | None = None     # [k, V] the distributions they were drawn from (None: deterministic)
+    parents: torch.Tensor | None = None   # [k] tree: parent node index, −1 = the pending token; None: a chain
 
 
 class Drafter(Protocol):
@@ -80,6 +86,13 @@ class Drafter(Protocol):
     def start(self, prompt_ids: torch.Tensor, feats: TargetOutput) -> None: ...
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal: ...
     def commit(self, tokens: torch.Tensor, feats: TargetOutput) -> None: ...
+
+
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that can also propose a tree (:func:`models.heads.trees.grow_tree`); ``commit`` still receives the
+    accepted path only, so drafters keep no state for nodes the target rejected."""
+
+    def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal: ...
 
 
 def proposal(tokens: list[int], probs: list[torch.Tensor | None]) -> Proposal:

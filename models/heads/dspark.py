@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch import nn
 from models.heads.base import HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.dflash import DFlashHead, block_targets
-from models.heads.trees import TreeSpec, grow_tree
+from models.heads.trees import TreeSpec, grow_tree, node_depths
 
 
 class DSparkHead(DFlashHead):
@@ -125,45 +125,8 @@ class DSparkHead(DFlashHead):
         def children_of(depth: int, tokens: torch.Tensor) -> torch.Tensor:  # tokens [n] at `depth` → [n, V]
             return base[depth] + self.markov_out(self.markov_in.weight[tokens.to(base.device)])
 
+        def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+            return children_of(int(node_depths(parents)[nodes[0]]), tokens[nodes])
+
         root = children_of(0, torch.tensor([pending]))[0]  # [V]
-        return grow_with_tokens(root, children_of, replace(tree, depth=min(tree.depth, self.block_size)), sampler)
-
-
-def grow_with_tokens(root_logits: torch.Tensor, children_of: Callable[[int, torch.Tensor], torch.Tensor],
-                     spec: TreeSpec, sampler: Sampler) -> Proposal:
-    """:func:`grow_tree` for a draft whose logits after a node depend on the node's token:
-    ``children_of(depth, tokens [n])`` → logits [n, V] after n nodes at ``depth`` holding these tokens.
-
-    ``grow_tree`` hands ``expand`` node indices only, so this grows the tree one level deeper per pass, reading
-    the tokens of the nodes to expand from the previous pass, with the sampler's random state restored before
-    every pass: a tree grown to depth d is the first nodes of the same tree grown deeper (growth is level by level
-    and the depth cap only stops it), so the last pass is the tree ``grow_tree`` would grow if ``expand`` knew the
-    tokens, with the same random draws (checked). Costs up to depth passes of children choices, no extra forward of
-    the backbone; a ``grow_tree`` that passed node tokens to ``expand`` would make it one pass."""
-    gen, dev = sampler.generator, root_logits.device
-    cuda = gen is None and dev.type == "cuda"  # the default generators: CPU's, and the device's when drawing there
-    state = None if sampler.greedy else (gen.get_state() if gen is not None else torch.random.get_rng_state(),
-                                         torch.cuda.get_rng_state(dev) if cuda else None)
-    known = torch.empty(0, dtype=torch.long)  # tokens of the tree grown one level less deep
-    for depth in range(1, spec.depth + 1):
-        if state is not None and gen is not None:
-            gen.set_state(state[0])
-        elif state is not None:
-            torch.random.set_rng_state(state[0])
-            if cuda:
-                torch.cuda.set_rng_state(state[1], dev)
-        level = 0
-
-        def expand(nodes: list[int]) -> torch.Tensor:
-            nonlocal level
-            level += 1  # nodes at depth `level`, all grown in the previous pass
-            return children_of(level, known[nodes])
-
-        prop = grow_tree(root_logits, expand, replace(spec, depth=depth), sampler)
-        if not torch.equal(prop.tokens[: known.numel()], known):
-            raise RuntimeError("grow_tree grew a different tree when allowed deeper: grow_with_tokens needs "
-                               "level-by-level growth where nodes depend on their ancestors only")
-        if level < depth - 1 or prop.tokens.numel() >= spec.budget:
-            break  # it stopped before the depth cap: a deeper cap grows the same tree
-        known = prop.tokens
-    return prop
+        return grow_tree(root, expand, replace(tree, depth=min(tree.depth, self.block_size)), sampler)

@@ -26,8 +26,7 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
-from models.heads.tree_paths import grow_on_paths
-from models.heads.trees import TreeSpec, ancestors, node_depths
+from models.heads.trees import TreeSpec, ancestors, grow_tree, node_depths
 from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, shift_left,
                            soft_cross_entropy, ttt_attention)
 from models.target import rope_theta as target_rope_theta
@@ -286,4 +285,4 @@ class Eagle3Head(DraftHead):
             hs = torch.cat([hs, h[0]])
             return self._to_target(logits[0])
 
-        return grow_on_paths(self._to_target(last_logits[None])[0], expand, tree, sampler)
+        return grow_tree(self._to_target(last_logits[None])[0], expand, tree, sampler)

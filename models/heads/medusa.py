@@ -21,7 +21,7 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
-from models.heads.trees import TreeSpec, grow_tree
+from models.heads.trees import TreeSpec, grow_tree, node_depths
 from models.layers import lookahead_loss
 
 
@@ -99,11 +99,9 @@ class MedusaHead(DraftHead):
         """A draft tree at most ``num_heads`` deep: the children of every node at depth d (the root: 0) come from
         head d's logits on the stored state, the same logits ``propose`` draws its token d+1 from."""
         heads = self.logits(self._h)  # num_heads × [V]
-        level = 0  # grow_tree expands one level per call, nodes at depth 1 first
 
-        def expand(nodes: list[int]) -> torch.Tensor:
-            nonlocal level
-            level += 1
-            return heads[level].expand(len(nodes), -1)  # [len(nodes), V]
+        def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+            depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth
+            return heads[depth].expand(len(nodes), -1)  # [len(nodes), V]
 
         return grow_tree(heads[0], expand, replace(tree, depth=min(tree.depth, len(heads))), sampler)

@@ -57,8 +57,7 @@ from torch import nn
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
-from models.heads.tree_paths import grow_on_paths
-from models.heads.trees import TreeSpec, node_depths, path_to
+from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
 from models.layers import (Attention, DecoderLayer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding,
                            frozen_linear, lookahead_loss, shift_left)
 from models.target import rope_theta
@@ -307,7 +306,7 @@ class MTPHead(DraftHead):
             states.update({x: spec[i] for i, x in enumerate(nodes)})
             return logits
 
-        prop = grow_on_paths(root[0], expand, tree, sampler)
+        prop = grow_tree(root[0], expand, tree, sampler)
         if deepest < self.num_steps or self.reuse_last_module:  # keep the deepest run's known states for the next depth
             self._rows[deepest] = torch.cat([self._rows[deepest], below], 1)
         return prop

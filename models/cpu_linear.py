@@ -1,0 +1,64 @@
+"""Multi-row fp32 linear layers through oneDNN with pre-packed weights, for a frozen target on a CPU.
+
+Why: verifying a block of 2–16 tokens multiplies each weight by a few rows. PyTorch's CPU build sends that
+to MKL's sgemm, which on the CPUs we measured (AMD EPYC, 2 cores) costs 2× one row at 2 rows and about 2.3×
+at 4–8 rows for SmolLM2's 49,152 × 576 output head, so a verify pass of 4 tokens cost 1.65× a one-token step
+where the weights are read once either way. oneDNN with the weight packed once ahead of time (the kernel
+inductor's CPU freezing uses) does the same product at 0.3–0.5× of MKL's time for 2–16 rows. One row keeps
+MKL's gemv, which is as fast or faster, so plain decoding is unchanged; prefill and verification get faster.
+``python -m eval.bench_decode`` measures the effect on a whole target (``target.fast_linear=false`` for before).
+
+The results differ from MKL's in the last bits (another summation order), as any change of kernel does; the
+decoder's numerical-tie classification (:mod:`eval.lossless`) covers that.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def available() -> bool:
+    """Whether this PyTorch build has oneDNN's packed linear (``torch.ops.mkldnn._linear_pointwise``)."""
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` sharing ``weight``/``bias`` with the layer it replaces, plus a oneDNN-packed copy of the
+    weight used for inputs of more than one row (fp32, CPU, no autograd)."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
+        self.weight, self.bias = lin.weight, lin.bias  # the same Parameters (tied weights stay tied)
+        self.__dict__["_packed"] = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        if (rows <= 1 or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu"
+                or torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        b = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, b, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every plain fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; returns how many.
+    A no-op (0) where oneDNN is missing or the check of one layer disagrees with ``F.linear``."""
+    if not available():
+        return 0
+    done = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                packed = PackedLinear(child)
+                if done == 0:  # one check that the op works here and agrees with MKL
+                    x = torch.randn(3, child.in_features, generator=torch.Generator().manual_seed(0))
+                    with torch.no_grad():
+                        if not torch.allclose(packed(x), F.linear(x, child.weight, child.bias), rtol=1e-4, atol=1e-4):
+                            return 0
+                setattr(parent, name, packed)
+                done += 1
+    return done

@@ -1,0 +1,283 @@
+"""Tree drafts in the one decoder: growth rules, greedy output identical to plain decoding whatever the tree holds,
+the accepted path's K/V compacted exactly, a chain given as a tree identical to the chain path, and sampling
+that keeps the target's distribution (recursive rejection over siblings; chi-square as for chains)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import tiny_model
+from eval.decoder import Proposal, Sampler, SpeculativeDecoder, accept_tree, keep_rows
+from models.heads.trees import TreeSpec, ancestors, chain_parents, children, grow_tree, node_depths, path_to, tree_mask
+from models.target import FrozenTarget
+from test_decoder import PROMPTS, FixedQ, Oracle, plain_greedy
+
+
+@pytest.fixture(scope="module")
+def target():
+    return FrozenTarget(model=tiny_model("llama", layers=4), tap_layers=[1, 2, 3])
+
+
+class OracleTree(Oracle):
+    """Mock tree drafter: at each depth the target's own greedy token and ``width − 1`` wrong siblings, the right one
+    at a random sibling rank (or missing with probability ``p_wrong``); only the right node is expanded further,
+    plus one wrong branch so that rejected subtrees exist."""
+
+    def __init__(self, model, p_wrong: float, width: int = 3, depth: int = 4, seed: int = 0):
+        super().__init__(model, p_wrong, seed)
+        self.width, self.depth = width, depth
+
+    def propose(self, pending, k, sampler):
+        raise AssertionError("the decoder must call propose_tree when a tree is asked for")
+
+    def propose_tree(self, pending, tree, sampler):
+        V = self.model.config.vocab_size
+        cont = plain_greedy(self.model, torch.tensor(self.known + [pending]), min(self.depth, tree.depth))
+        tokens, parents, parent = [], [], -1
+        for t in cont:
+            right = float(torch.rand((), generator=self.g)) >= self.p_wrong
+            rank = int(torch.randint(0, self.width, (), generator=self.g))
+            sib = [(t + 1 + j) % V for j in range(self.width)]
+            if right:
+                sib[rank] = t
+            first = len(tokens)
+            for s in sib:
+                tokens.append(s)
+                parents.append(parent)
+            if first + (0 if rank else 1) < len(tokens):  # a wrong branch gets one child too
+                wrong = first + (1 if rank == 0 else 0)
+                tokens.append((t + 7) % V)
+                parents.append(wrong)
+            if not right:
+                break
+            parent = first + rank
+        return Proposal(torch.tensor(tokens), None, torch.tensor(parents))
+
+
+def test_tree_helpers():
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1])
+    assert node_depths(parents).tolist() == [1, 1, 2, 2, 3, 2]
+    assert path_to(4, parents) == [0, 2, 4] and path_to(-1, parents) == []
+    anc = ancestors(parents)
+    assert anc[4].nonzero().flatten().tolist() == [0, 2, 4] and anc[5].nonzero().flatten().tolist() == [1, 5]
+    m = tree_mask(parents, past=3)  # [1+6, 3+1+6]
+    assert m.shape == (7, 10) and m[:, :4].all()
+    assert m[5, 4:].tolist() == [True, False, True, False, True, False]  # node 4 (row 5) sees nodes 0, 2 and itself
+    assert chain_parents(3).tolist() == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_grow_tree_respects_budget_depth_and_order(greedy):
+    V = 50
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(64, V, generator=g) * 3
+    sampler = Sampler() if greedy else Sampler(1.0, generator=torch.Generator().manual_seed(1))
+    calls = []
+
+    def expand(nodes, tokens, parents):
+        calls.append(list(nodes))
+        assert tokens.numel() == parents.numel() > max(nodes)
+        return table[torch.tensor(nodes) % 64]
+
+    for spec in (TreeSpec(budget=10, depth=3, topk=2), TreeSpec(budget=5, depth=8, topk=1), TreeSpec(budget=30, depth=4, topk=4)):
+        calls.clear()
+        prop = grow_tree(table[63], expand, spec, sampler)
+        n = prop.tokens.numel()
+        par = prop.parents.tolist()
+        assert 1 <= n <= spec.budget and all(p < i for i, p in enumerate(par))
+        assert int(node_depths(prop.parents).max()) <= spec.depth
+        assert all(sum(1 for p in par if p == q) <= spec.topk for q in set(par))
+        assert all(len(c) <= spec.topk for c in calls)  # expanded nodes per level
+        if spec.topk == 1:
+            assert par == chain_parents(n).tolist() and n == min(spec.budget, spec.depth)
+        if greedy:  # the root's children are its top-k, best first
+            kids = [i for i, p in enumerate(par) if p == -1]
+            assert prop.tokens[kids].tolist() == torch.softmax(table[63], -1).topk(len(kids)).indices.tolist()
+        else:
+            assert prop.probs.shape == (n, V)
+
+
+def test_min_prob_stops_expanding_unlikely_nodes():
+    V = 20
+    peaked = torch.full((V,), -10.0)
+    peaked[3] = 10.0
+    flat = torch.zeros(V)
+    for logits, deep in ((peaked, True), (flat, False)):
+        prop = grow_tree(logits, lambda nodes, *_: logits.expand(len(nodes), V), TreeSpec(budget=8, depth=6, topk=1, min_prob=0.2), Sampler())
+        assert (prop.tokens.numel() == 6) == deep  # flat: 1/20 < 0.2 after the first node, nothing expanded
+        if not deep:
+            assert prop.tokens.numel() == 1
+
+
+def test_children_without_replacement():
+    q_logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")])
+    toks, probs, q = children(q_logits, 4, Sampler(1.0, generator=torch.Generator().manual_seed(0)))
+    assert len(set(toks)) == 4 and 4 not in toks and q[4] == 0  # never a token without mass
+    toks, _, q = children(q_logits, 3, Sampler())
+    assert toks == [0, 1, 2] and q is None
+
+
+@pytest.mark.parametrize("p_wrong", [0.0, 0.5, 1.0])
+def test_greedy_tree_equals_plain(target, p_wrong):
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    for prompt in PROMPTS:
+        ref = plain_greedy(target.model, prompt, 20)
+        out, st = dec.generate(prompt, OracleTree(target.model, p_wrong), max_new_tokens=20, tree=TreeSpec(16, 4, 3))
+        assert out == ref and st.new_tokens == 20
+        if p_wrong == 0.0:  # the right path is always in the tree: depth + bonus per pass, budget aside
+            assert max(st.accepted_hist) == 4 and st.verified_tokens / st.passes > 3
+        if p_wrong == 1.0:
+            assert sum(st.accepted_hist) == 0
+
+
+def test_eos_and_budget_inside_a_tree(target):
+    prompt = PROMPTS[0]
+    ref = plain_greedy(target.model, prompt, 30)
+    dec = SpeculativeDecoder(target, eos_token_ids=[ref[6]])
+    out, _ = dec.generate(prompt, OracleTree(target.model, 0.0), max_new_tokens=30, tree=TreeSpec(16, 4, 3))
+    assert out == ref[: ref.index(ref[6]) + 1]
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    for budget in (1, 2, 7, 11):
+        out, st = dec.generate(prompt, OracleTree(target.model, 0.0), max_new_tokens=budget, tree=TreeSpec(16, 4, 3))
+        assert out == ref[:budget] and st.new_tokens == budget
+
+
+def test_accepted_path_kv_equals_a_chain_forward(target):
+    """After verifying a tree whose accepted path sits on later siblings, the compacted cache holds what a plain
+    forward of that path would have written."""
+    prompt = PROMPTS[1].view(1, -1)
+    cont = plain_greedy(target.model, PROMPTS[1], 3)
+    V = target.vocab_size
+    # pending = cont[0]; tree: two wrong siblings before the right one at each of two depths
+    tokens = [(cont[1] + 1) % V, (cont[1] + 2) % V, cont[1], (cont[2] + 1) % V, cont[2]]
+    parents = torch.tensor([-1, -1, -1, 2, 2])
+    cache = DynamicCache()
+    target(prompt, cache=cache, use_cache=True)
+    past = prompt.shape[1]
+    block = torch.tensor([[cont[0]] + tokens])
+    mask = torch.zeros(1 + 5, past + 6).masked_fill_(~tree_mask(parents, past), float("-inf"))
+    pos = past + torch.cat([torch.zeros(1, dtype=torch.long), node_depths(parents)])[None]
+    out = target(block, attention_mask=mask[None, None], position_ids=pos, cache=cache, use_cache=True)
+    logits = target.model.lm_head(out.last_state)[0]
+    path, nxt = accept_tree(block[0, 1:], parents, None, logits, Sampler())
+    assert path == [2, 4]
+    keep_rows(cache, past, [0, 3, 5])
+    ref = DynamicCache()
+    target(torch.cat([prompt, torch.tensor([[cont[0], cont[1], cont[2]]])], 1), cache=ref, use_cache=True)
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+class AsTree:
+    """Wraps a chain drafter: the same proposal, given as a tree with one child per node."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def start(self, p, f):
+        self.inner.start(p, f)
+
+    def commit(self, t, f):
+        self.inner.commit(t, f)
+
+    def propose(self, pending, k, sampler):
+        raise AssertionError("propose_tree expected")
+
+    def propose_tree(self, pending, tree, sampler):
+        prop = self.inner.propose(pending, tree.depth, sampler)
+        return Proposal(prop.tokens, prop.probs, chain_parents(prop.tokens.numel()))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_chain_given_as_a_tree_is_the_chain(target, temperature):
+    q = torch.softmax(torch.randn(target.vocab_size, generator=torch.Generator().manual_seed(2)) * 2, -1)
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+
+    def run(drafter, **kw):
+        sampler = Sampler(temperature, generator=torch.Generator().manual_seed(4))
+        torch.manual_seed(0)
+        return dec.generate(PROMPTS[1], drafter, max_new_tokens=24, sampler=sampler, **kw)
+
+    for inner in (lambda: Oracle(target.model, 0.3), lambda: FixedQ(q)):
+        if temperature == 0 or isinstance(inner(), FixedQ):
+            a, sa = run(inner(), k=3)
+            b, sb = run(AsTree(inner()), tree=TreeSpec(budget=3, depth=3, topk=1))
+            assert a == b and sa.accepted_hist == sb.accepted_hist
+
+
+class FixedQTree:
+    """Mock tree drafter: every node's children drawn without replacement from one fixed q (2 per node, depth 2)."""
+
+    def __init__(self, q, with_probs=True):
+        self.q, self.with_probs = q, with_probs
+
+    def start(self, p, f):
+        pass
+
+    def commit(self, t, f):
+        pass
+
+    def propose_tree(self, pending, tree, sampler):
+        logits = self.q.log()
+        prop = grow_tree(logits, lambda nodes, *_: logits.expand(len(nodes), -1), TreeSpec(budget=6, depth=min(2, tree.depth), topk=2), sampler)
+        return prop if self.with_probs else Proposal(prop.tokens, None, prop.parents)
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_tree_sampling_matches_target_distribution(with_probs):
+    """As test_decoder's chi-square test, with trees of two children per node: recursive rejection over siblings
+    (q with earlier siblings removed; one-hot q without distributions) keeps the target's marginals."""
+    torch.manual_seed(0)
+    V = 6
+    model = tiny_model("llama", vocab_size=V, layers=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    target = FrozenTarget(model=model, tap_layers=[1])
+    prompt = torch.tensor([1, 2, 3])
+    sampler = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1))
+
+    def p_next(seq):
+        with torch.no_grad():
+            return torch.softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
+
+    p1 = p_next(prompt.tolist())
+    m2, m3 = torch.zeros(V), torch.zeros(V)
+    for a in range(V):
+        p2 = p_next(prompt.tolist() + [a])
+        m2 += p1[a] * p2
+        for b in range(V):
+            m3 += p1[a] * p2[b] * p_next(prompt.tolist() + [a, b])
+    q = torch.tensor([0.4, 0.05, 0.05, 0.2, 0.1, 0.2])
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    N = 3000
+    c2, c3 = torch.zeros(V), torch.zeros(V)
+    accepted = 0
+    for _ in range(N):
+        out, st = dec.generate(prompt, FixedQTree(q, with_probs), max_new_tokens=3, sampler=sampler, tree=TreeSpec(6, 2, 2))
+        c2[out[1]] += 1
+        c3[out[2]] += 1
+        accepted += sum(st.accepted_hist)
+    assert accepted > N * 0.3  # the trees are really used
+    for counts, m in ((c2, m2), (c3, m3)):
+        keep = m * N >= 5
+        exp = m[keep] * N
+        chi2 = float(((counts[keep] - exp) ** 2 / exp).sum())
+        assert chi2 < 25.0, (counts, exp)
+
+
+def test_auto_k_is_lossless_and_follows_acceptance(target):
+    """k=auto (eval.autok.AutoK) keeps greedy output identical and drafts long where drafts are always right,
+    short where they are always wrong."""
+    from eval.autok import AutoK
+
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    ratio = [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4]
+    for p_wrong, long in ((0.0, True), (1.0, False)):
+        auto = AutoK(ratio, t1=1.0)
+        for prompt in PROMPTS:
+            out, st = dec.generate(prompt, Oracle(target.model, p_wrong), k=auto, max_new_tokens=40)
+            assert out == plain_greedy(target.model, prompt, 40)
+        common = max(set(auto.chosen), key=auto.chosen.count)
+        assert (common >= 4) if long else (auto.chosen[-10:] == [1] * 10), auto.chosen
