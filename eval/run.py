@@ -83,13 +83,15 @@ class Agg:
 def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
     """Instantiate a drafter config; factories that take ``target`` get it (trained heads need their target).
     A ``tree:`` key (budget, depth, topk, min_prob: :class:`models.heads.trees.TreeSpec`) makes the drafter
-    propose trees (``drafter.tree_spec``); the same head can be listed twice, as a chain and as a tree."""
+    propose trees (``drafter.tree_spec``), a ``k:`` key (an integer or auto) overrides the run's k for it; the same
+    head can be listed several times (chain, tree, k=auto) and is then compared side by side."""
     from omegaconf import OmegaConf
 
     from models.heads.trees import TreeSpec
 
-    node = OmegaConf.create(node) if isinstance(node, dict) else node.copy()
+    node = OmegaConf.create(OmegaConf.to_container(node) if OmegaConf.is_config(node) else dict(node))
     tree = node.pop("tree", None) if "tree" in node else None
+    k = node.pop("k", None) if "k" in node else None
     part = instantiate(node, _partial_=True)
     fn = part.func if hasattr(part, "func") else part
     takes_target = "target" in inspect.signature(fn).parameters
@@ -101,6 +103,10 @@ def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
             drafter.tree_spec = TreeSpec(**OmegaConf.to_container(tree))
         except TypeError as e:
             raise UserError(f"drafters.{name}.tree: {e} (keys: budget, depth, topk, min_prob)") from None
+    if k is not None:
+        if k != "auto" and (not isinstance(k, int) or k < 1):
+            raise UserError(f"drafters.{name}.k={k}: an integer >= 1, or auto")
+        drafter.draft_k = k
     return drafter
 
 
@@ -162,11 +168,11 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
              tie_ulps: float | None = None,
              log=print, prompt_policy: Any = None) -> dict:
     """``prompt_policy``: over-long prompts (``eval.sets.PromptLengthPolicy``: truncate from the left, counted)."""
-    autok = None
-    if k == "auto":  # eval.autok: each drafter learns its acceptance and picks k per round against the measured verify curve
-        autok = auto_k_factory(target)
-    elif not isinstance(k, int) or k < 1:
+    if k != "auto" and (not isinstance(k, int) or k < 1):
         raise UserError(f"k={k}: the draft length must be an integer >= 1, or auto")
+    wanted = {name: getattr(d, "draft_k", k) for name, d in drafters.items()}
+    # k=auto (eval.autok): each drafter learns its acceptance and picks k per round against the measured verify curve
+    autok = auto_k_factory(target) if "auto" in wanted.values() else None
     for t in temperatures:
         Sampler(float(t), top_p)  # validates
     dec = SpeculativeDecoder(target, eos_token_ids if eos_token_ids is not None else _eos_ids(target, tokenizer))
@@ -180,7 +186,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
         for temp in temperatures:
             temp = float(temp)
             aggs = {name: Agg() for name in ["plain", *drafters]}
-            ks = {name: (autok() if autok else k) for name in drafters}  # AutoK learns per drafter and temperature
+            ks = {name: (autok() if w == "auto" else w) for name, w in wanted.items()}  # AutoK learns per drafter and temperature
             for ci, conv in enumerate(convs):
                 histories = {name: ([{"role": "system", "content": conv["system"]}] if conv.get("system") else [])
                              for name in aggs}
@@ -215,7 +221,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
             row = {}
             for name, a in aggs.items():
                 row[name] = a.summary(None if name == "plain" else aggs["plain"])
-                if name != "plain" and autok:
+                if name != "plain" and hasattr(ks[name], "chosen"):
                     chosen = ks[name].chosen
                     row[name]["auto_k"] = {"mean": round(sum(chosen) / max(len(chosen), 1), 2),
                                            "histogram": {str(v): chosen.count(v) for v in sorted(set(chosen))}}

@@ -275,9 +275,23 @@ def test_auto_k_is_lossless_and_follows_acceptance(target):
     dec = SpeculativeDecoder(target, eos_token_ids=[])
     ratio = [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4]
     for p_wrong, long in ((0.0, True), (1.0, False)):
-        auto = AutoK(ratio, t1=1.0)
+        auto = AutoK(ratio, t1=1e6)  # T(1) so long that the mock's own draft time (a full forward per token) counts as free
         for prompt in PROMPTS:
             out, st = dec.generate(prompt, Oracle(target.model, p_wrong), k=auto, max_new_tokens=40)
             assert out == plain_greedy(target.model, prompt, 40)
         common = max(set(auto.chosen), key=auto.chosen.count)
         assert (common >= 4) if long else (auto.chosen[-10:] == [1] * 10), auto.chosen
+
+
+def test_eval_drafter_entries_take_tree_and_k(target):
+    """conf/eval.yaml drafters: ``tree:`` and ``k:`` keys per entry; user mistakes are one clear line."""
+    from data.errors import UserError
+    from eval.run import build_drafter
+
+    ngram = {"_target_": "eval.baselines.NGramDrafter", "max_ngram": 3}
+    d = build_drafter({**ngram, "k": "auto"}, target, "ngram")
+    assert d.draft_k == "auto" and not hasattr(d, "tree_spec")
+    with pytest.raises(UserError, match="drafters.ngram.tree: NGramDrafter drafts chains only"):
+        build_drafter({**ngram, "tree": {"budget": 8}}, target, "ngram")
+    with pytest.raises(UserError, match="drafters.ngram.k=0"):
+        build_drafter({**ngram, "k": 0}, target, "ngram")
