@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from data.errors import UserError
+from eval.kvcache import new_cache
 from models.heads.drafting import Drafter, Proposal, Sampler, TreeDrafter
 from models.heads.trees import TreeSpec, node_depths, tree_mask
 from models.target import TargetOutput
@@ -177,8 +178,6 @@ class SpeculativeDecoder:
 
         ``record_top`` > 0 (greedy only): keep, for every new token, the target's top ``record_top`` ids and
         logits at the position that chose it (``stats.top``), so a divergence can be told from a near-tie."""
-        from transformers import DynamicCache
-
         auto = hasattr(k, "choose")  # eval.autok.AutoK: the draft length is chosen every round
         if not auto and k < 0:
             raise UserError(f"draft length k={k}: must be >= 1 (0 for plain decoding)")
@@ -188,7 +187,7 @@ class SpeculativeDecoder:
         ids = prompt_ids.view(1, -1)
         stats = GenStats()
         t0 = time.perf_counter()
-        cache = DynamicCache()
+        cache = new_cache()  # K/V in buffers grown by doubling (eval/kvcache.py), not concatenated every step
         out = self.target(ids, cache=cache, use_cache=True)
         logits = self.target.model.lm_head(out.last_state[:, -1:])[0]  # [1, V]
         first = int(logits[0].argmax()) if sampler.greedy else sampler.sample(sampler.probs(logits[0]))

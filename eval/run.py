@@ -261,16 +261,17 @@ def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
 
 def markdown_table(results: dict, protocol: dict) -> str:
     """One row per (set, temperature, drafter)."""
-    k = max([protocol["k"] if isinstance(protocol["k"], int) else 0] + [len(r["acceptance_per_position"]) for by_t in results.values() for by_d in by_t.values()
-                                for r in by_d.values()])  # trees may reach deeper than k
-    head = ["set", "T", "drafter", "τ", *[f"acc@{i + 1}" for i in range(k)], "tok/s", "speed-up", "draft", "verify", "decoder", "greedy = plain"]
+    k = protocol["k"]
+    cols = max([k if isinstance(k, int) else 0] + [len(r["acceptance_per_position"]) for by_t in results.values()
+                                                    for by_d in by_t.values() for r in by_d.values()])  # trees, per-drafter k
+    head = ["set", "T", "drafter", "τ", *[f"acc@{i + 1}" for i in range(cols)], "tok/s", "speed-up", "draft", "verify", "decoder", "greedy = plain"]
     lines = [f"Protocol: template `{protocol['template']}`, max_new_tokens={protocol['max_new_tokens']}, k={k}, "
              f"top_p={protocol['top_p']}, prompts per set ≤ {protocol['limit']}, target `{protocol['target']}`", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for sname, by_t in results.items():
         for tname, by_d in by_t.items():
             for dname, r in by_d.items():
-                acc = (r["acceptance_per_position"] + [None] * k)[:k]
+                acc = (r["acceptance_per_position"] + [None] * cols)[:cols]
                 ts = r["time_share"]
                 lines.append("| " + " | ".join([sname, tname[2:], dname, f"{r['tau']:.2f}",
                                                  *["" if a is None else f"{a:.2f}" for a in acc],

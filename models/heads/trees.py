@@ -5,13 +5,13 @@ node i holds a token, its parent (−1: the pending token, the root) and, when s
 siblings were drawn from. The target verifies all nodes in one forward (each node attends to the context and
 its ancestors, :func:`tree_mask`) and keeps the longest accepted root-to-node path.
 
-Growth (:func:`grow_tree`, after EAGLE-2's dynamic trees, Li et al. arXiv 2406.16858, with one change that
-keeps sampling exact): level by level, the frontier nodes with the highest cumulative draft probability are
-expanded, each into its ``topk`` most probable children (greedy) or ``topk`` children drawn *without
-replacement* from q (sampling; Gumbel-top-k), until ``budget`` nodes or ``depth`` levels. EAGLE-2 then prunes
-the tree to the best ``budget`` nodes by score; pruning a drawn child because of its own value would bias the
-candidates away from q, so here every drawn child is kept and the budget is spent while drawing: how many
-children a node gets depends only on its ancestors. That is what the decoder's recursive rejection over
+Growth (:func:`grow_tree`, after EAGLE-2's dynamic trees, Li et al. arXiv 2406.16858): level by level, the
+``topk`` frontier nodes with the highest cumulative draft probability are expanded, each into its ``topk``
+most probable children (greedy) or ``topk`` children drawn *without replacement* from q (sampling;
+Gumbel-top-k), for ``depth`` levels. Greedy, as EAGLE-2: the whole expansion is grown and the best ``budget``
+nodes by cumulative probability are kept. Sampling: pruning a drawn child because of its own value would bias
+the candidates away from q, so there every drawn child is kept and the budget is spent while drawing (how many
+children a node gets depends only on its ancestors). That is what the decoder's recursive rejection over
 siblings (SpecInfer, Miao et al. arXiv 2305.09781; without replacement) needs to keep the target's
 distribution. ``min_prob`` stops expanding nodes whose path probability falls below it (adaptive length).
 A chain is ``topk=1``.
@@ -82,12 +82,15 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, spec: TreeSpec, sampler
     frontier, frontier_logits = [-1], root_logits[None]  # root = the pending token
     root_lp = 0.0
     floor = math.log(spec.min_prob) if spec.min_prob > 0 else -math.inf
+    # greedy: grow the full top-k expansion, then keep the best ``budget`` nodes (EAGLE-2's re-ranking); sampling:
+    # stop drawing at the budget (pruning a drawn child by its own value would bias the candidates)
+    cap = spec.budget if not sampler.greedy else spec.topk + (spec.depth - 1) * spec.topk ** 2
     for level in range(spec.depth):
         score = [root_lp if f < 0 else logp[f] for f in frontier]
         order = sorted(range(len(frontier)), key=lambda i: (-score[i], i))
         new: list[int] = []
         for i in order:
-            room = spec.budget - len(tokens)
+            room = cap - len(tokens)
             if room <= 0:
                 break
             toks, probs, q = children(frontier_logits[i], min(spec.topk, room), sampler)
@@ -97,7 +100,7 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, spec: TreeSpec, sampler
                 parents.append(frontier[i])
                 logp.append(score[i] + math.log(max(pr, 1e-30)))
                 qs.append(q)
-        if not new or len(tokens) >= spec.budget or level + 1 == spec.depth:
+        if not new or len(tokens) >= cap or level + 1 == spec.depth:
             break
         # the next level expands the best ``topk`` new nodes (children below min_prob stay leaves); expand() gets
         # them in creation order, and they are expanded best first
@@ -106,6 +109,11 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, spec: TreeSpec, sampler
             break
         frontier, frontier_logits = keep, expand(keep, torch.tensor(tokens, dtype=torch.long),
                                                  torch.tensor(parents, dtype=torch.long))
+    if len(tokens) > spec.budget:  # greedy re-ranking: a child never scores above its parent, so the best nodes
+        keep = sorted(sorted(range(len(tokens)), key=lambda n: (-logp[n], n))[: spec.budget])  # form a tree
+        new_index = {old: i for i, old in enumerate(keep)}
+        tokens, qs = [tokens[n] for n in keep], [qs[n] for n in keep]
+        parents = [-1 if parents[n] < 0 else new_index[parents[n]] for n in keep]
     probs = None if any(q is None for q in qs) or not qs else torch.stack(qs)
     return Proposal(torch.tensor(tokens, dtype=torch.long), probs, torch.tensor(parents, dtype=torch.long))
 
