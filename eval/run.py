@@ -235,7 +235,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
     return results
 
 
-def auto_k_factory(target: Any, max_k: int = 8, context: int = 256, reps: int = 3):
+def auto_k_factory(target: Any, max_k: int = 8, context: int = 256, reps: int = 7):
     """Measure the target's verify curve once (:func:`eval.planner.verify_costs`) → a factory of fresh
     :class:`eval.autok.AutoK` policies on it."""
     from eval.autok import AutoK
