@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass
+
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,43 +37,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.errors import UserError, cli, instantiate, run_main, write_json
+from eval.run import Agg
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_HEADS = {"smollm2": "assets/smollm2-eagle3"}  # target name -> the head ``path: auto`` means
-
-
-@dataclass
-class Sums:
-    """One drafter's ``GenStats`` summed over prompts (one temperature)."""
-
-    new_tokens: int = 0
-    passes: int = 0
-    verified: int = 0
-    drafted: int = 0
-    t_draft: float = 0.0
-    t_verify: float = 0.0
-    t_prefill: float = 0.0
-    t_total: float = 0.0
-    generations: int = 0
-    identical: int = 0
-
-    def add(self, st: Any) -> None:
-        self.new_tokens += st.new_tokens
-        self.passes += st.passes
-        self.verified += st.verified_tokens
-        self.drafted += st.drafted
-        self.t_draft += st.t_draft
-        self.t_verify += st.t_verify
-        self.t_prefill += st.t_prefill
-        self.t_total += st.t_total
-        self.generations += 1
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(float(x), nd)
 
 
-def metrics(s: Sums, plain: Sums) -> dict:
+def metrics(s: Agg, plain: Agg) -> dict:
     """The time split of one drafter against plain decoding's (see the module docstring)."""
     t1 = plain.t_verify / max(plain.passes, 1)
     per_pass = s.t_verify / max(s.passes, 1)
@@ -294,7 +268,7 @@ def bench(cfg: DictConfig) -> dict:
 
     results: dict = {}
     for temp in (float(t) for t in cfg.temperatures):
-        sums = {name: Sums() for name in names}
+        sums = {name: Agg() for name in names}
         for pi, (pname, ids) in enumerate(prompts):
             plain_out = None
             for name in names:

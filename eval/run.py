@@ -30,6 +30,7 @@ class Agg:
     new_tokens: int = 0
     passes: int = 0
     verified: int = 0
+    drafted: int = 0
     hist: dict[int, int] = field(default_factory=dict)
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -47,6 +48,7 @@ class Agg:
         self.new_tokens += st.new_tokens
         self.passes += st.passes
         self.verified += st.verified_tokens
+        self.drafted += st.drafted
         for a in st.accepted_hist:
             self.hist[a] = self.hist.get(a, 0) + 1
         for i, (p, a) in enumerate(zip(st.proposed_at, st.accepted_at)):

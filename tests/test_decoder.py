@@ -154,12 +154,12 @@ class FixedQ:
         return Proposal(toks, self.q.expand(k, -1) if self.with_probs else None)
 
 
-@pytest.mark.parametrize("with_probs", [True, False])
-def test_sampling_matches_target_distribution(with_probs):
-    """Chi-square of the 2nd and 3rd generated tokens (produced by verification) against the exact marginals.
+def sampled_marginals_chi2(make_drafter, N: int = 3000, **generate_kw) -> tuple[list[float], int]:
+    """Generate 3 tokens N times from a peaked tiny target (V=6) with ``make_drafter()``; return the chi-square of the
+    2nd and 3rd tokens (produced by verification) against their exact marginals, and the drafted tokens accepted.
 
-    V=6, N=3000: a 5% shift of probability mass between two tokens moves chi-square by ~N·0.05²/p ≈ 20+,
-    far above the 0.001 critical value (20.5 at 5 degrees of freedom), so an error of that size fails."""
+    N=3000: a 5% shift of probability mass between two tokens moves chi-square by ~N·0.05²/p ≈ 20+, far above the
+    0.001 critical value (20.5 at 5 degrees of freedom), so an error of that size fails a bound of 25."""
     torch.manual_seed(0)
     V = 6
     model = tiny_model("llama", vocab_size=V, layers=2)
@@ -173,7 +173,6 @@ def test_sampling_matches_target_distribution(with_probs):
         with torch.no_grad():
             return torch.softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
 
-    # exact marginals of tokens 2 and 3
     p1 = p_next(prompt.tolist())
     m2, m3 = torch.zeros(V), torch.zeros(V)
     for a in range(V):
@@ -181,19 +180,30 @@ def test_sampling_matches_target_distribution(with_probs):
         m2 += p1[a] * p2
         for b in range(V):
             m3 += p1[a] * p2[b] * p_next(prompt.tolist() + [a, b])
-    q = torch.tensor([0.4, 0.05, 0.05, 0.2, 0.1, 0.2])
     dec = SpeculativeDecoder(target, eos_token_ids=[])
-    N = 3000
     c2, c3 = torch.zeros(V), torch.zeros(V)
+    accepted = 0
     for _ in range(N):
-        out, _ = dec.generate(prompt, FixedQ(q, with_probs), k=2, max_new_tokens=3, sampler=sampler)
+        out, st = dec.generate(prompt, make_drafter(), max_new_tokens=3, sampler=sampler, **generate_kw)
         c2[out[1]] += 1
         c3[out[2]] += 1
+        accepted += sum(st.accepted_hist)
+    chi2 = []
     for counts, m in ((c2, m2), (c3, m3)):
         keep = m * N >= 5
         exp = m[keep] * N
-        chi2 = float(((counts[keep] - exp) ** 2 / exp).sum())
-        assert chi2 < 25.0, (counts, exp)  # df <= 5; p ≈ 1e-4 critical value
+        chi2.append(float(((counts[keep] - exp) ** 2 / exp).sum()))
+    return chi2, accepted
+
+
+FIXED_Q = torch.tensor([0.4, 0.05, 0.05, 0.2, 0.1, 0.2])
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_sampling_matches_target_distribution(with_probs):
+    """Chains from a fixed wrong q (with its distribution, or verified as one-hot) keep the target's marginals."""
+    chi2, _ = sampled_marginals_chi2(lambda: FixedQ(FIXED_Q, with_probs), k=2)
+    assert max(chi2) < 25.0, chi2  # df <= 5; p ≈ 1e-4 critical value
 
 
 def test_bad_arguments(target):

@@ -11,7 +11,7 @@ from conftest import tiny_model
 from eval.decoder import Proposal, Sampler, SpeculativeDecoder, accept_tree, keep_rows
 from models.heads.trees import TreeSpec, ancestors, chain_parents, children, grow_tree, node_depths, path_to, tree_mask
 from models.target import FrozenTarget
-from test_decoder import PROMPTS, FixedQ, Oracle, plain_greedy
+from test_decoder import FIXED_Q, PROMPTS, FixedQ, Oracle, plain_greedy, sampled_marginals_chi2
 
 
 @pytest.fixture(scope="module")
@@ -207,17 +207,8 @@ def test_a_chain_given_as_a_tree_is_the_chain(target, temperature):
             assert a == b and sa.accepted_hist == sb.accepted_hist
 
 
-class FixedQTree:
+class FixedQTree(FixedQ):
     """Mock tree drafter: every node's children drawn without replacement from one fixed q (2 per node, depth 2)."""
-
-    def __init__(self, q, with_probs=True):
-        self.q, self.with_probs = q, with_probs
-
-    def start(self, p, f):
-        pass
-
-    def commit(self, t, f):
-        pass
 
     def propose_tree(self, pending, tree, sampler):
         logits = self.q.log()
@@ -229,42 +220,9 @@ class FixedQTree:
 def test_tree_sampling_matches_target_distribution(with_probs):
     """As test_decoder's chi-square test, with trees of two children per node: recursive rejection over siblings
     (q with earlier siblings removed; one-hot q without distributions) keeps the target's marginals."""
-    torch.manual_seed(0)
-    V = 6
-    model = tiny_model("llama", vocab_size=V, layers=2)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    target = FrozenTarget(model=model, tap_layers=[1])
-    prompt = torch.tensor([1, 2, 3])
-    sampler = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1))
-
-    def p_next(seq):
-        with torch.no_grad():
-            return torch.softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
-
-    p1 = p_next(prompt.tolist())
-    m2, m3 = torch.zeros(V), torch.zeros(V)
-    for a in range(V):
-        p2 = p_next(prompt.tolist() + [a])
-        m2 += p1[a] * p2
-        for b in range(V):
-            m3 += p1[a] * p2[b] * p_next(prompt.tolist() + [a, b])
-    q = torch.tensor([0.4, 0.05, 0.05, 0.2, 0.1, 0.2])
-    dec = SpeculativeDecoder(target, eos_token_ids=[])
-    N = 3000
-    c2, c3 = torch.zeros(V), torch.zeros(V)
-    accepted = 0
-    for _ in range(N):
-        out, st = dec.generate(prompt, FixedQTree(q, with_probs), max_new_tokens=3, sampler=sampler, tree=TreeSpec(6, 2, 2))
-        c2[out[1]] += 1
-        c3[out[2]] += 1
-        accepted += sum(st.accepted_hist)
-    assert accepted > N * 0.3  # the trees are really used
-    for counts, m in ((c2, m2), (c3, m3)):
-        keep = m * N >= 5
-        exp = m[keep] * N
-        chi2 = float(((counts[keep] - exp) ** 2 / exp).sum())
-        assert chi2 < 25.0, (counts, exp)
+    chi2, accepted = sampled_marginals_chi2(lambda: FixedQTree(FIXED_Q, with_probs), tree=TreeSpec(6, 2, 2))
+    assert accepted > 3000 * 0.3  # the trees are really used
+    assert max(chi2) < 25.0, chi2
 
 
 def test_auto_k_is_lossless_and_follows_acceptance(target):
