@@ -26,9 +26,9 @@ def run(cfg: DictConfig) -> dict:
     tok = load_tokenizer(cfg.target.name_or_path)
     from eval.sets import PromptLengthPolicy
 
-    policy = PromptLengthPolicy(cfg.get("max_prompt_tokens"), getattr(target.config, "max_position_embeddings", None),
-                                cfg.max_new_tokens, max(cfg.k if isinstance(cfg.k, int) else 0, 16))  # room for k=auto or a tree
     drafters = {name: build_drafter(node, target, name) for name, node in (cfg.drafters or {}).items() if node is not None}
+    policy = PromptLengthPolicy(cfg.get("max_prompt_tokens"), getattr(target.config, "max_position_embeddings", None),
+                                cfg.max_new_tokens, max([draft_room(d, cfg.k) for d in drafters.values()] or [0]))
     sets = build_sets(cfg)
     protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""))
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,
@@ -46,6 +46,13 @@ def run(cfg: DictConfig) -> dict:
               f"(see 'divergences' in {cfg.out_dir}/results.json)", file=sys.stderr)
         sys.exit(1)
     return results
+
+
+def draft_room(drafter, k) -> int:
+    """Cache positions one verify pass may add beyond the context: a tree's budget, else the drafter's k (auto: 8)."""
+    tree = getattr(drafter, "tree_spec", None)
+    k = getattr(drafter, "draft_k", k)
+    return tree.budget if tree is not None else (8 if k == "auto" else int(k))
 
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")

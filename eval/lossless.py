@@ -16,9 +16,10 @@ the same context), using the plain run's logits there:
 2^-7, fp16 2^-10, fp32 2^-23), so the bound is ``ulps`` units in the last place of the logit's magnitude.
 A flip needs the margin to be at most the two logits' combined error, ``|Δ top| + |Δ other| ≤ 2 · gap``, where
 ``gap`` is the largest block-vs-step logit difference. ``python -m eval.bench_ties`` measures it (SmolLM2-135M,
-8-token blocks after MT-Bench prompts): max 3.7 ulps in bfloat16, 15.1 ulps in float32 (many more reduction
-steps reach fp32's last place). Hence the defaults :data:`TIE_ULPS`: 8 for bf16/fp16, 32 for fp32 (twice
-the measured gap, rounded up); ``tie_ulps=`` overrides them for every dtype.
+8-token blocks after MT-Bench prompts): max 3.7 ulps in bfloat16, 20.5 ulps in float32 with the target's
+packed oneDNN linear layers (15.1 with MKL's; many more reduction steps reach fp32's last place). Hence the
+defaults :data:`TIE_ULPS`: 8 for bf16/fp16, 48 for fp32 (about twice the measured gap, rounded up to a
+multiple of 8); ``tie_ulps=`` overrides them for every dtype.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-TIE_ULPS = {torch.bfloat16: 8.0, torch.float16: 8.0, torch.float32: 32.0}
+TIE_ULPS = {torch.bfloat16: 8.0, torch.float16: 8.0, torch.float32: 48.0}
 
 
 def tie_bound(dtype: torch.dtype, top_logit: float, ulps: float | None = None) -> float:

@@ -19,31 +19,11 @@ A chain is ``topk=1``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from data.errors import UserError
-from models.heads.drafting import Proposal, Sampler
-
-
-@dataclass
-class TreeSpec:
-    """``budget``: drafted nodes at most; ``depth``: levels at most; ``topk``: children per expanded node and
-    expanded nodes per level; ``min_prob``: expand only nodes whose path probability under the draft is at least
-    this (0: always)."""
-
-    budget: int = 16
-    depth: int = 6
-    topk: int = 4
-    min_prob: float = 0.0
-
-    def __post_init__(self):
-        if self.budget < 1 or self.depth < 1 or self.topk < 1:
-            raise UserError(f"tree: budget={self.budget}, depth={self.depth}, topk={self.topk}: each must be >= 1")
-        if not 0 <= self.min_prob < 1:
-            raise UserError(f"tree.min_prob={self.min_prob}: must be in [0, 1)")
+from models.heads.drafting import Proposal, Sampler, TreeSpec
 
 
 def children(logits: torch.Tensor, n: int, sampler: Sampler) -> tuple[list[int], torch.Tensor, torch.Tensor]:
