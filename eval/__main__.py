@@ -28,7 +28,7 @@ def run(cfg: DictConfig) -> dict:
 
     drafters = {name: build_drafter(node, target, name) for name, node in (cfg.drafters or {}).items() if node is not None}
     policy = PromptLengthPolicy(cfg.get("max_prompt_tokens"), getattr(target.config, "max_position_embeddings", None),
-                                cfg.max_new_tokens, max([draft_room(d, cfg.k) for d in drafters.values()] or [0]))
+                                cfg.max_new_tokens, max([draft_room(d, cfg.k) for d in drafters.values()] or [draft_room(None, cfg.k)]))
     sets = build_sets(cfg)
     protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""))
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,
