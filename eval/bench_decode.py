@@ -37,6 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.errors import UserError, cli, instantiate, run_main, write_json
+from eval.kvcache import new_cache
 from eval.run import Agg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,13 +108,11 @@ def profile_call(fn: Callable[[], Any], reset: Callable[[], Any], top: int, repe
 def profile_target_steps(target: Any, sizes: list[int], context: int, top: int, repeat: int = 1) -> dict:
     """One decoder step of the target (forward over a cache of ``context`` random tokens, then lm_head on every
     row) for each block size in ``sizes``; size 1 is plain decoding's step."""
-    from transformers import DynamicCache
-
     from eval.decoder import crop
 
     g = torch.Generator().manual_seed(0)
     V = target.vocab_size
-    cache = DynamicCache()
+    cache = new_cache()
     target(torch.randint(0, V, (1, context), generator=g), cache=cache, use_cache=True)
     out = {}
     for n in sizes:
@@ -130,12 +129,10 @@ def profile_target_steps(target: Any, sizes: list[int], context: int, top: int, 
 @torch.no_grad()
 def profile_propose(target: Any, drafter: Any, ids: torch.Tensor, k: int, tree: Any, top: int, repeat: int = 1) -> dict:
     """One ``propose`` (``propose_tree`` when ``tree`` and the drafter has it) right after ``start`` on ``ids``."""
-    from transformers import DynamicCache
-
     from eval.decoder import Sampler
 
     ids = ids.view(1, -1)
-    out = target(ids, cache=DynamicCache(), use_cache=True)
+    out = target(ids, cache=new_cache(), use_cache=True)
     pending = int(target.model.lm_head(out.last_state[:, -1:])[0, -1].argmax())
     as_tree = tree is not None and hasattr(drafter, "propose_tree")
 

@@ -18,14 +18,13 @@ import torch
 from omegaconf import DictConfig
 
 from data.errors import cli, instantiate, run_main, write_json
+from eval.kvcache import new_cache
 from eval.lossless import TIE_ULPS
 
 
 @torch.no_grad()
 def logit_gaps(target, prompts: list[torch.Tensor], block: int = 8) -> list[float]:
     """Per position: max |Δlogit| between block and step-by-step scoring, in ulps of the top logit."""
-    from transformers import DynamicCache
-
     from eval.decoder import crop
 
     eps = torch.finfo(next(target.parameters()).dtype).eps
@@ -33,7 +32,7 @@ def logit_gaps(target, prompts: list[torch.Tensor], block: int = 8) -> list[floa
     ulps = []
     for ids in prompts:
         ids = ids.view(1, -1)
-        cache = DynamicCache()
+        cache = new_cache()
         out = target(ids, cache=cache, use_cache=True)
         toks = [int(lm(out.last_state[:, -1:])[0, -1].argmax())]
         steps = []

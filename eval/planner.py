@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from data.errors import UserError, cli, instantiate, run_main, write_json
+from eval.kvcache import new_cache
 
 
 def sync(device: str) -> None:
@@ -33,13 +34,11 @@ def sync(device: str) -> None:
 @torch.no_grad()
 def verify_costs(model, max_d: int, context: int, reps: int, device: str) -> list[float]:
     """Median seconds of a forward of 1+D tokens over a cache of ``context`` tokens, for D = 0..max_d."""
-    from transformers import DynamicCache
-
     from eval.decoder import crop
 
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    cache = DynamicCache()
+    cache = new_cache()
     model(input_ids=torch.randint(0, V, (1, context), generator=g).to(device), cache=cache, use_cache=True)
     times = []
     for d in range(max_d + 1):
