@@ -209,7 +209,7 @@ class Eagle3Head(DraftHead):
 
     @torch.no_grad()
     def _extend(self, pending: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 1 of every proposal: extend the context with the pending positions (causal among themselves; the
+        """Step 1 of every proposal: extend the context with the pending positions (their keys and values; the
         last one reads ``pending``). Returns the last position's pre-norm output [1, 1, d] and draft logits [Vd]."""
         nxt = torch.cat([self._pending_next, torch.tensor([pending], device=self._pending_next.device)])[None]  # [1, m]
         h = self._pending_h
@@ -219,12 +219,13 @@ class Eagle3Head(DraftHead):
         past = 0 if self._ctx_k is None else self._ctx_k.shape[2]
         self._ctx_k = k_ if self._ctx_k is None else torch.cat([self._ctx_k, k_], 2)
         self._ctx_v = v_ if self._ctx_v is None else torch.cat([self._ctx_v, v_], 2)
-        mask = torch.ones(m, past + m, dtype=torch.bool, device=h.device).tril(past)  # [m, past+m]
-        o = torch.nn.functional.scaled_dot_product_attention(q, self._ctx_k, self._ctx_v, attn_mask=mask)
-        h_out, logits = self.finish(h, o)
+        # Every pending row's key/value is cached, but only the last row's output is used: the last query sees
+        # the whole context (no mask), and the MLP and the draft lm_head run on one row, not m.
+        o = torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], self._ctx_k, self._ctx_v)  # [1, H, 1, hd]
+        h_out, logits = self.finish(h[:, -1:], o)  # [1, 1, d], [1, 1, Vd]
         self._pos += m
         self._pending_h, self._pending_next = h[:, :0], self._pending_next[:0]
-        return h_out[:, -1:], logits[0, -1]
+        return h_out, logits[0, -1]
 
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
