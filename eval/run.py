@@ -113,11 +113,16 @@ def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
 
 
 def load_head(path: str, target: Any) -> Any:
-    """A trained draft head exported by ``python -m train`` (``run_dir/draft``)."""
+    """A trained draft head exported by ``python -m train`` (``run_dir/draft``). Where the target's linear layers
+    go through oneDNN's packed weights (``target.fast_linear``), so do the head's: a tree level or a block drafts
+    several rows at once, where MKL's product costs 2–3× one row (:mod:`models.cpu_linear`)."""
+    from models.cpu_linear import pack_linears
     from models.formats import load_draft
 
-    head = load_draft(path, target)
-    return head.eval()
+    head = load_draft(path, target).eval()
+    if getattr(target, "packed_linears", 0):
+        pack_linears(head)
+    return head
 
 
 def load_model_drafter(path: str, target: Any = None, dtype: str = "float32") -> Any:

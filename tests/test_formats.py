@@ -302,6 +302,23 @@ def test_eval_loads_a_speculators_export(target_dir, tmp_path):
     assert not loaded.training and torch.equal(loaded.fc.weight, head.fc.weight)
 
 
+def test_load_head_packs_the_heads_linears_where_the_target_does(target_dir, tmp_path):
+    from eval.run import load_head
+    from models.cpu_linear import PackedLinear
+
+    target, head = make_head("eagle3", target_dir)
+    head.export(tmp_path / "draft")
+    fast_target = FrozenTarget(str(target_dir), fast_linear=True)
+    if not fast_target.packed_linears:
+        pytest.skip("this PyTorch build has no oneDNN packed linear")
+    fast = load_head(str(tmp_path / "draft"), fast_target)
+    plain = load_head(str(tmp_path / "draft"), FrozenTarget(str(target_dir), fast_linear=False))
+    assert isinstance(fast.lm_head, PackedLinear) and not any(isinstance(m, PackedLinear) for m in plain.modules())
+    x = torch.randn(3, 4, fast.lm_head.in_features)
+    with torch.no_grad():
+        torch.testing.assert_close(fast.lm_head(x), plain.lm_head(x), rtol=1e-4, atol=1e-4)
+
+
 # -- the real client: the speculators library in its own environment ---------------------------------
 @pytest.fixture(scope="module")
 def speculators_results(target_dir, tmp_path_factory):
