@@ -12,9 +12,25 @@ import lightning as L
 import torch
 
 from data.errors import UserError
-from data.features import collate
+from data.features import FeatureDataset, collate
 
 __all__ = ["DraftDataModule", "collate"]
+
+
+def cache_dirs(value: str | list[str] | None) -> list[str]:
+    """``data.feature_dir`` / ``data.val_feature_dir``: one cache directory or a list of them → a list."""
+    if value is None:
+        return []
+    return [str(value)] if isinstance(value, (str, Path)) else [str(v) for v in value]
+
+
+class FeatureSet(torch.utils.data.ConcatDataset):
+    """The same split of several feature caches, one after the other (each checked as :class:`FeatureDataset`)."""
+
+    def __init__(self, split_dirs: list[Path], expect: dict | None = None):
+        parts = [FeatureDataset(d, expect) for d in split_dirs]
+        super().__init__(parts)
+        self.files = [f for p in parts for f in p.files]
 
 
 class DraftDataModule(L.LightningDataModule):
@@ -23,7 +39,8 @@ class DraftDataModule(L.LightningDataModule):
     def __init__(self, source: str = "sharegpt", heldout_fraction: float = 0.02, max_length: int | None = 2048,
                  truncation: str = "turn", max_conversations: int | None = None, val_conversations: int | None = 64,
                  batch_size: int = 4, num_workers: int = 0, num_proc: int = 1, tokenizer: str = "embedded",
-                 features: str = "online", feature_dir: str | None = None, seed: int = 0):
+                 features: str = "online", feature_dir: str | list[str] | None = None,
+                 val_feature_dir: str | list[str] | None = None, seed: int = 0):
         super().__init__()
         if features not in ("online", "offline"):
             raise UserError(f"features={features!r}: use online or offline")
@@ -32,7 +49,10 @@ class DraftDataModule(L.LightningDataModule):
         self.source, self.heldout_fraction, self.max_length, self.truncation = source, heldout_fraction, max_length, truncation
         self.max_conversations, self.val_conversations = max_conversations, val_conversations
         self.batch_size, self.num_workers, self.num_proc = batch_size, num_workers, num_proc
-        self.tokenizer_name, self.features, self.feature_dir, self.seed = tokenizer, features, feature_dir, seed
+        self.tokenizer_name, self.features, self.seed = tokenizer, features, seed
+        # offline: train on the train splits of one or several caches, validate on the held-out splits of
+        # val_feature_dir (default: the same caches), e.g. original text for training, the target's own for validation
+        self.feature_dirs, self.val_feature_dirs = cache_dirs(feature_dir), cache_dirs(val_feature_dir)
         self._train = self._val = None
         self._tok = None
         self.expect_identity: dict | None = None  # set by the trainer entry point: the target the cache must match
@@ -54,10 +74,18 @@ class DraftDataModule(L.LightningDataModule):
                               self.truncation, limit, self.num_proc, verbose=False)
 
     def token_counts(self) -> torch.Tensor:
-        """Counts [V] of loss-masked tokens in the training split (draft vocabularies are built from these)."""
-        ds = self.split("train")
+        """Counts [V] of loss-masked tokens in the training split (draft vocabularies are built from these); with
+        offline features, of the caches' training splits (what the head trains on, however many caches)."""
         V = len(self.tokenizer)
         counts = torch.zeros(V, dtype=torch.long)
+        if self.features == "offline":
+            if not self.feature_dirs:
+                raise UserError("features=offline needs data.feature_dir (write it with `python -m data.features`)")
+            for f, _ in FeatureSet([Path(d) / "train" for d in self.feature_dirs], self.expect_identity).files:
+                t = f.get_tensor("input_ids").long()[f.get_tensor("loss_mask").bool()]
+                counts += torch.bincount(t, minlength=V)[:V]
+            return counts
+        ds = self.split("train")
         for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
             t = torch.as_tensor(ids)[torch.as_tensor(mask).bool()]
             counts += torch.bincount(t, minlength=V)[:V]
@@ -67,12 +95,10 @@ class DraftDataModule(L.LightningDataModule):
         if self._train is not None:
             return
         if self.features == "offline":
-            from data.features import FeatureDataset
-
-            if not self.feature_dir:
+            if not self.feature_dirs:
                 raise UserError("features=offline needs data.feature_dir (write it with `python -m data.features`)")
-            self._train = FeatureDataset(Path(self.feature_dir) / "train", self.expect_identity)
-            self._val = FeatureDataset(Path(self.feature_dir) / "heldout", self.expect_identity)
+            self._train = FeatureSet([Path(d) / "train" for d in self.feature_dirs], self.expect_identity)
+            self._val = FeatureSet([Path(d) / "heldout" for d in self.val_feature_dirs or self.feature_dirs], self.expect_identity)
         else:
             self._train = self.split("train").with_format("python")
             self._val = self.split("heldout").with_format("python")

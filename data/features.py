@@ -164,6 +164,9 @@ def main(cfg: DictConfig) -> None:
     """Write the offline feature cache for the train and held-out splits of a training config."""
     target = build_target(cfg)
     dm = instantiate(cfg.data, tokenizer=cfg.target.name_or_path)
+    if cfg.data.feature_dir is not None and not isinstance(cfg.data.feature_dir, str):
+        raise UserError(f"data.feature_dir={list(cfg.data.feature_dir)}: `python -m data.features` writes one cache; "
+                        "give one directory (training reads a list)")
     out = Path(cfg.data.feature_dir or f"runs/features/{cfg.name}")
     w = cfg.get("features_writer") or {}
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

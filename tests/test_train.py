@@ -83,6 +83,35 @@ def test_offline_cache_bad_inputs(tiny_target_dir, tiny_chats, tmp_path):
         FeatureDataset(tmp_path / "empty", ident)
 
 
+def test_offline_training_reads_several_caches(tiny_target_dir, tiny_chats, tmp_path):
+    """data.feature_dir may list caches (trained on together, draft vocabulary counted over all of them);
+    data.val_feature_dir picks the held-out caches."""
+    from data.datamodule import DraftDataModule
+    from data.features import identity_of, write_features
+    from train.build import build
+
+    cfg = compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run"))
+    target, _, dm = build(cfg)
+    train, held = dm.split("train"), dm.split("heldout")
+    for name, rows in (("a", range(0, 5)), ("b", range(5, len(train)))):
+        write_features(target, train.select(rows), tmp_path / name / "train", shard_samples=3)
+        write_features(target, held, tmp_path / name / "heldout")
+    write_features(target, held.select([0]), tmp_path / "c" / "heldout")
+    ident = identity_of(target)
+    both = DraftDataModule(tokenizer=str(tiny_target_dir), features="offline", feature_dir=[str(tmp_path / "a"), str(tmp_path / "b")],
+                           val_feature_dir=str(tmp_path / "c"))
+    both.expect_identity = ident
+    both.setup()
+    assert len(both._train) == len(train) and len(both._val) == 1
+    assert [both._train[i]["input_ids"].tolist() for i in range(len(train))] == [list(r) for r in train["input_ids"]]
+    online = DraftDataModule(tokenizer=str(tiny_target_dir), source=dm.source, heldout_fraction=dm.heldout_fraction,
+                             max_length=dm.max_length, truncation=dm.truncation, val_conversations=dm.val_conversations)
+    assert torch.equal(both.token_counts(), online.token_counts())
+    one = DraftDataModule(tokenizer=str(tiny_target_dir), features="offline", feature_dir=str(tmp_path / "a"))
+    one.setup()
+    assert len(one._train) == 5 and len(one._val) == len(held)
+
+
 def run_cli(args, timeout=240, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, **kw)

@@ -17,6 +17,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from data.datamodule import cache_dirs
 from data.errors import UserError, cli, run_main, write_json
 
 
@@ -49,14 +50,15 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
               "stored_parameters": sum(v.numel() for k, v in head.state_dict().items() if k not in head.target_copies()),
               "training": {k: v for k, v in result.items() if k not in ("run_dir", "best_checkpoint", "export")},
               "validation_curve": validation_curve(run_dir)}
-    feature_dir = ((train_config or {}).get("data") or {}).get("feature_dir")
-    if feature_dir:  # what the head was trained on: the offline cache's splits (samples, tokens, bytes)
+    data_cfg = (train_config or {}).get("data") or {}
+    if data_cfg.get("feature_dir"):  # what the head was trained on: the offline caches' splits (samples, tokens)
         report["features"] = {}
-        for split in ("train", "heldout"):
-            for m in sorted(Path(feature_dir, split).glob("manifest-r*.json")):
-                shards = json.loads(m.read_text())["shards"]
-                report["features"][split] = {"samples": sum(x["samples"] for x in shards),
-                                             "tokens": sum(x["tokens"] for x in shards)}
+        for split, dirs in (("train", cache_dirs(data_cfg["feature_dir"])),
+                            ("heldout", cache_dirs(data_cfg.get("val_feature_dir")) or cache_dirs(data_cfg["feature_dir"]))):
+            shards = [x for d in dirs for m in sorted(Path(d, split).glob("manifest-r*.json"))
+                      for x in json.loads(m.read_text())["shards"]]
+            report["features"][split] = {"samples": sum(x["samples"] for x in shards), "tokens": sum(x["tokens"] for x in shards),
+                                         "caches": dirs}
         report["data_source"] = train_config["data"].get("source")
     if evaluation:
         ev = Path(evaluation)

@@ -216,7 +216,6 @@ class Eagle3Head(DraftHead):
         m = h.shape[1]
         pos = torch.arange(self._pos, self._pos + m, device=h.device)[None]
         q, k_, v_ = self.step(h, nxt, pos)
-        past = 0 if self._ctx_k is None else self._ctx_k.shape[2]
         self._ctx_k = k_ if self._ctx_k is None else torch.cat([self._ctx_k, k_], 2)
         self._ctx_v = v_ if self._ctx_v is None else torch.cat([self._ctx_v, v_], 2)
         # Every pending row's key/value is cached, but only the last row's output is used: the last query sees
