@@ -5,6 +5,7 @@ side by side through the one decoder, beside plain decoding and the baselines (n
     python -m eval.compare train=false limit=5                 # evaluate what is already under run_dir
     python -m eval.compare "+families.dflash16=['draft=dflash','draft.block_size=16']" families.mtp=null   # add, remove
     python -m eval.compare "train_overrides=[trainer.max_steps=20]" run_dir=runs/compare-smoke
+    python -m eval.compare budget=time time_budget_s=600 run_dir=runs/compare-10min   # equal compute, not equal tokens
 
 Each family trains in its own ``python -m train`` process into ``<run_dir>/<family>`` with ``ckpt_path=last``,
 so an interrupted comparison resumes where it stopped; a family whose ``result.json`` exists is not
@@ -42,6 +43,18 @@ def train_family(name: str, overrides: list[str], shared: list[str], run_dir: Pa
     return json.loads(result.read_text())
 
 
+def budget_overrides(budget: str, seconds: float | None) -> list[str]:
+    """``budget=steps``: nothing (every family trains ``trainer.max_steps``, equal tokens); ``budget=time``: every
+    family trains ``time_budget_s`` seconds of wall time (equal compute), with a step cap far out of reach."""
+    if budget == "steps":
+        return []
+    if budget != "time":
+        raise UserError(f"budget={budget!r}: use steps (equal tokens) or time (equal wall time, time_budget_s)")
+    if not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise UserError(f"time_budget_s={seconds}: budget=time needs the seconds each family trains, a number > 0")
+    return [f"time_budget_s={float(seconds)}", "trainer.max_steps=10000000"]
+
+
 def summary_table(results: dict, trained: dict, protocol: dict) -> str:
     """One row per drafter: τ and speed-up per (set, temperature), then cost columns."""
     cols = [(s, t) for s, by_t in results.items() for t in by_t]
@@ -67,10 +80,11 @@ def run(cfg: DictConfig) -> dict:
     from models.target import load_tokenizer
     run_dir = Path(cfg.run_dir)
     families = {k: list(v) for k, v in (cfg.families or {}).items() if v is not None}
+    shared = list(cfg.train_overrides) + budget_overrides(cfg.get("budget", "steps"), cfg.get("time_budget_s"))
     trained: dict = {}
     for name, overrides in families.items():
         if cfg.train:
-            trained[name] = train_family(name, overrides, list(cfg.train_overrides), run_dir)
+            trained[name] = train_family(name, overrides, shared, run_dir)
         else:
             p = run_dir / name / "result.json"
             if not p.exists():
@@ -83,7 +97,7 @@ def run(cfg: DictConfig) -> dict:
     for name, tr in trained.items():
         drafters[name] = load_head(tr["export"], target)
     sets = build_sets(cfg)
-    protocol = protocol_of(cfg, tok, drafters, train_overrides=list(cfg.train_overrides), families=families)
+    protocol = protocol_of(cfg, tok, drafters, train_overrides=shared, families=families)
     t = time.time()
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed)
     out = run_dir / "eval"

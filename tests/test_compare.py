@@ -35,3 +35,17 @@ def test_compare_trains_resumes_and_tabulates(tiny_target_dir, tiny_chats, tmp_p
     # a second run finds both families trained and does not train again
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "== training" not in r.stdout, r.stdout[-2000:]
+
+
+def test_budget_time_gives_every_family_the_same_seconds():
+    import pytest
+
+    from data.errors import UserError
+    from eval.compare import budget_overrides
+
+    assert budget_overrides("steps", 3600) == []
+    assert budget_overrides("time", 600) == ["time_budget_s=600.0", "trainer.max_steps=10000000"]
+    with pytest.raises(UserError, match="budget='tokens'"):
+        budget_overrides("tokens", 600)
+    with pytest.raises(UserError, match="time_budget_s=None"):
+        budget_overrides("time", None)

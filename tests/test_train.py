@@ -112,6 +112,28 @@ def test_offline_training_reads_several_caches(tiny_target_dir, tiny_chats, tmp_
     assert len(one._train) == 5 and len(one._val) == len(held)
 
 
+def test_time_budget_stops_on_the_clock_and_schedules_by_it(tiny_target_dir, tiny_chats, tmp_path):
+    """time_budget_s: the run stops once its training wall time reaches the budget (trainer.max_steps far away),
+    and the learning rate follows the share of the budget spent."""
+    from train.__main__ import run
+    from train.schedule import warmup_cosine_by
+
+    over = train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run", steps=100000) + ["time_budget_s=4"]
+    result = run(compose_train(over))
+    assert 1 <= result["global_step"] < 100000 and 4 <= result["train_time_s"] < 60
+    clock = {"p": 0.0}
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = warmup_cosine_by(opt, lambda: clock["p"], warmup=0.1, min_ratio=0.0)
+    lrs = []
+    for p in (0.05, 0.1, 0.55, 1.0, 2.0):
+        clock["p"] = p
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == pytest.approx([0.5, 1.0, 0.5, 0.0, 0.0], abs=1e-6)
+    with pytest.raises(UserError, match="time_budget_s=-1"):
+        run(compose_train(over[:-1] + ["time_budget_s=-1"]))
+
+
 def run_cli(args, timeout=240, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, **kw)

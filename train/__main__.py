@@ -79,7 +79,7 @@ def check_lengths(cfg: DictConfig, target: Any, dm: Any) -> None:
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict:
-    from train.callbacks import StopAtStep
+    from train.callbacks import StopAtStep, TimeBudget
     from train.module import DraftModule
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -88,7 +88,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     check_lengths(cfg, target, dm)
     ckpt_dir = run_dir / "checkpoints"
     ckpt = resolve_ckpt(cfg.ckpt_path, ckpt_dir)
-    module = DraftModule(target, head, **cfg.optim)
+    module = DraftModule(target, head, time_budget_s=cfg.get("time_budget_s"), **cfg.optim)
     if ckpt is None:
         head.prepare_from_data(dm.token_counts())
     else:
@@ -104,6 +104,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] if cfg.get("callbacks") else []
     if cfg.get("stop_at_step"):
         callbacks.append(StopAtStep(cfg.stop_at_step))
+    if cfg.get("time_budget_s"):
+        callbacks.append(TimeBudget(cfg.time_budget_s))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(run_dir))
     trainer.fit(module, dm, ckpt_path=ckpt)

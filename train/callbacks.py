@@ -1,4 +1,5 @@
-"""Training callbacks: ``last.ckpt`` is the last step (always), and a run can stop at a step and resume exactly.
+"""Training callbacks: ``last.ckpt`` is the last step (always), a run can stop at a step and resume exactly, and a
+time budget ends a run on the clock.
 
 ``best.ckpt`` stays with Lightning's ``ModelCheckpoint`` (``monitor: val/acc_len``, ``save_last: false``);
 :class:`LastCheckpoint` writes ``last.ckpt`` after every validation, every ``every_n_train_steps`` steps
@@ -55,4 +56,16 @@ class StopAtStep(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+class TimeBudget(L.Callback):
+    """Stop once the run's training wall time (summed over resumes, ``DraftModule.train_time_s``) reaches
+    ``seconds`` (``python -m train time_budget_s=3600``); the learning-rate schedule runs on the same clock."""
+
+    def __init__(self, seconds: float):
+        self.seconds = float(seconds)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if pl_module.train_time_s >= self.seconds:
             trainer.should_stop = True

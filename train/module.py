@@ -1,7 +1,7 @@
 """One LightningModule for every draft head: features, optimisation, logging, validation that predicts decoding.
 
 The head owns its forward and loss (:class:`models.heads.base.DraftHead`); this module owns AdamW, the
-warm-up + cosine schedule, the frozen target, and the validation metrics: per-step top-1 accuracy
+warm-up + cosine schedule (over steps, or over a time budget's seconds), the frozen target, and the validation metrics: per-step top-1 accuracy
 ``acc_j`` (step j = the j-th drafted token) and the expected acceptance length
 ``1 + Σ_k Π_{j<=k} acc_j`` (``val/acc_len``), on which checkpoints are selected.
 """
@@ -15,14 +15,19 @@ import torch
 
 from models.layers import expected_acceptance_length
 from models.target import TargetOutput
-from train.schedule import warmup_cosine
+from train.schedule import warmup_cosine, warmup_cosine_by
 
 
 class DraftModule(L.LightningModule):
     def __init__(self, target: Any, head: Any, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_ratio: float = 0.04, min_lr_ratio: float = 0.0,
-                 feature_noise_std: float = 0.0):
+                 feature_noise_std: float = 0.0, time_budget_s: float | None = None):
         super().__init__()
+        if time_budget_s is not None and (not isinstance(time_budget_s, (int, float)) or not 0 < time_budget_s < float("inf")):
+            from data.errors import UserError
+
+            raise UserError(f"time_budget_s={time_budget_s}: seconds of training, a number > 0 (or null for a step budget)")
+        self.time_budget_s = time_budget_s  # the schedule runs on the share of it spent (train.callbacks.TimeBudget stops)
         if not isinstance(feature_noise_std, (int, float)) or not 0 <= feature_noise_std < float("inf"):
             from data.errors import UserError
 
@@ -108,8 +113,11 @@ class DraftModule(L.LightningModule):
         no_decay = [p for p in params if p.ndim < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=self.betas)
-        total = self.trainer.estimated_stepping_batches
-        sched = warmup_cosine(opt, int(self.warmup_ratio * total), total, self.min_lr_ratio)
+        if self.time_budget_s:
+            sched = warmup_cosine_by(opt, lambda: self.train_time_s / self.time_budget_s, self.warmup_ratio, self.min_lr_ratio)
+        else:
+            total = self.trainer.estimated_stepping_batches
+            sched = warmup_cosine(opt, int(self.warmup_ratio * total), total, self.min_lr_ratio)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- checkpoints: the frozen target is not saved ---------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -15,6 +16,20 @@ def warmup_cosine(opt: torch.optim.Optimizer, warmup_steps: int, total_steps: in
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         t = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def warmup_cosine_by(opt: torch.optim.Optimizer, progress: Callable[[], float], warmup: float,
+                     min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """The same shape on a progress fraction instead of steps: ``progress()`` in [0, 1] (the share of a time
+    budget spent, read when the scheduler steps); linear warm-up over the first ``warmup`` of it, then cosine."""
+    def factor(_: int) -> float:
+        p = min(1.0, max(0.0, float(progress())))
+        if p < warmup:
+            return max(p / warmup, 1e-3)
+        t = (p - warmup) / max(1e-9, 1 - warmup)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
