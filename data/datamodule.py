@@ -79,9 +79,8 @@ class DraftDataModule(L.LightningDataModule):
         V = len(self.tokenizer)
         counts = torch.zeros(V, dtype=torch.long)
         if self.features == "offline":
-            if not self.feature_dirs:
-                raise UserError("features=offline needs data.feature_dir (write it with `python -m data.features`)")
-            for f, _ in FeatureSet([Path(d) / "train" for d in self.feature_dirs], self.expect_identity).files:
+            self.setup()  # opens (and checks) the caches once; training reuses them
+            for f, _ in self._train.files:
                 t = f.get_tensor("input_ids").long()[f.get_tensor("loss_mask").bool()]
                 counts += torch.bincount(t, minlength=V)[:V]
             return counts
