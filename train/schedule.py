@@ -7,6 +7,11 @@ from typing import Callable
 import torch
 
 
+def cosine(t: float, min_ratio: float) -> float:
+    """The decay part of both schedules: 1 at t=0 down to ``min_ratio`` at t=1."""
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
 def warmup_cosine(opt: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up to the base lr, then cosine decay to ``min_ratio`` × base lr at ``total_steps``."""
     warmup_steps = max(0, int(warmup_steps))
@@ -15,8 +20,7 @@ def warmup_cosine(opt: torch.optim.Optimizer, warmup_steps: int, total_steps: in
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        t = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        return cosine((step - warmup_steps) / (total_steps - warmup_steps), min_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
@@ -29,7 +33,6 @@ def warmup_cosine_by(opt: torch.optim.Optimizer, progress: Callable[[], float], 
         p = min(1.0, max(0.0, float(progress())))
         if p < warmup:
             return max(p / warmup, 1e-3)
-        t = (p - warmup) / max(1e-9, 1 - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        return cosine((p - warmup) / max(1e-9, 1 - warmup), min_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
