@@ -112,6 +112,33 @@ def test_offline_training_reads_several_caches(tiny_target_dir, tiny_chats, tmp_
     assert len(one._train) == 5 and len(one._val) == len(held)
 
 
+def test_init_from_starts_a_run_from_an_export(tiny_target_dir, tiny_chats, tmp_path):
+    """init_from=<export>: the new run's head starts with the export's weights and draft vocabulary (not the data's
+    counts), trains on; a different family or draft shape gets one line naming init_from."""
+    from train.__main__ import init_from_export, run
+    from train.build import build
+
+    first = run(compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "a", steps=2) + ["draft.draft_vocab_size=40"]))
+    over = train_overrides(tiny_target_dir, tiny_chats, tmp_path / "b", steps=2) + ["draft.draft_vocab_size=40"]
+    target, head, _ = build(compose_train(over))
+    from models.formats import load_draft
+
+    src = load_draft(first["export"], target)
+    assert not torch.equal(head.fc.weight, src.fc.weight)
+    head.d2t.zero_()
+    init_from_export(head, first["export"], target)
+    for k, v in src.state_dict().items():
+        assert torch.equal(head.state_dict()[k], v), k
+    second = run(compose_train(over + [f"init_from={first['export']}"]))
+    assert second["global_step"] == 2 and torch.equal(load_draft(second["export"], target).d2t, src.d2t)
+    _, other, _ = build(compose_train(over[:-1] + ["draft.draft_vocab_size=30"]))
+    with pytest.raises(UserError, match="init_from=.*does not fit this draft config"):
+        init_from_export(other, first["export"], target)
+    _, medusa, _ = build(compose_train([o for o in over if not o.startswith("draft.")] + ["draft=medusa"]))
+    with pytest.raises(UserError, match="init_from=.*eagle3 draft, but this run trains medusa"):
+        init_from_export(medusa, first["export"], target)
+
+
 def test_time_budget_stops_on_the_clock_and_schedules_by_it(tiny_target_dir, tiny_chats, tmp_path):
     """time_budget_s: the run stops once its training wall time reaches the budget (trainer.max_steps far away),
     and the learning rate follows the share of the budget spent."""
@@ -180,6 +207,7 @@ def test_two_process_ddp_on_cpu(tiny_target_dir, tiny_chats, tmp_path):
     (["ckpt_path=/nonexistent/x.ckpt"], "ckpt_path"),
     (["draft.ttt_steps=0"], "ttt_steps"),
     (["features=offline", "data.feature_dir=/nonexistent/features"], "no feature cache"),
+    (["init_from=/nonexistent/draft"], "/nonexistent/draft"),
 ])
 def test_bad_input_one_line(tiny_target_dir, tiny_chats, tmp_path, extra, expect):
     r = run_cli(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run") + extra)

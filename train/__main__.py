@@ -65,6 +65,30 @@ def check_checkpoint(ckpt: dict, path: str, module: Any) -> None:
                             f"draft (a different draft config)")
 
 
+def init_from_export(head: Any, path: str, target: Any) -> None:
+    """Start ``head`` from an exported draft's weights and draft vocabulary (``init_from=``): the same family, tap
+    layers and tensor shapes, or one UserError naming what differs. The new run's own schedule and data follow."""
+    from models.formats import load_draft
+
+    taps = list(target.tap_layers)
+    src = load_draft(path, target)  # sets the target's taps to the export's; checked against this run's below
+    target.set_tap_layers(taps)
+    if type(src) is not type(head):
+        raise UserError(f"init_from={path}: a {src.family} draft, but this run trains {head.family} (choose draft={src.family} "
+                        "or another export)")
+    if list(src.tap_layers) != taps:
+        raise UserError(f"init_from={path}: trained on tap layers {src.tap_layers}, this run taps {taps} (set "
+                        f"target.tap_layers={src.tap_layers})")
+    mine, theirs = head.state_dict(), src.state_dict()
+    bad = [k for k in mine if k not in theirs or theirs[k].shape != mine[k].shape]
+    if bad:
+        raise UserError(f"init_from={path}: does not fit this draft config: {bad[0]} "
+                        f"{tuple(theirs[bad[0]].shape) if bad[0] in theirs else 'missing'} vs {tuple(mine[bad[0]].shape)} "
+                        "(use the draft settings it was trained with)")
+    head.load_state_dict(theirs)
+    print(f"initialised from {path} (its weights and draft vocabulary)")
+
+
 def check_lengths(cfg: DictConfig, target: Any, dm: Any) -> None:
     """Training sequences must fit the target's positions: refuse a longer data.max_length; cap a null one."""
     n = getattr(getattr(target, "config", None), "max_position_embeddings", None)
@@ -89,7 +113,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     ckpt = resolve_ckpt(cfg.ckpt_path, ckpt_dir)
     module = DraftModule(target, head, time_budget_s=cfg.get("time_budget_s"), **cfg.optim)
-    if ckpt is None:
+    if ckpt is None and cfg.get("init_from"):
+        init_from_export(head, str(cfg.init_from), target)
+    elif ckpt is None:
         head.prepare_from_data(dm.token_counts())
     else:
         state = read_checkpoint(ckpt)
