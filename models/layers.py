@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data.errors import UserError
+from models.cpu_linear import fused
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +50,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped K/V; ``d_in`` may differ from ``d`` (EAGLE-3 feeds 2d-wide inputs)."""
+    """Multi-head attention with grouped K/V; ``d_in`` may differ from ``d`` (EAGLE-3 feeds 2d-wide inputs).
+    Packed for CPU inference (:func:`models.cpu_linear.pack_linears`), q/k/v are one product."""
+
+    fused_linears = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, d: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
                  d_in: int | None = None, bias: bool = False, qk_norm: bool = False, eps: float = 1e-6):
@@ -68,12 +72,12 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d_in] → q [B, H, T, hd], k, v [B, H, T, hd] (K/V repeated to H heads), rotary applied."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        q, k, v = fused(self, x) or (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # [B, T, H·hd], [B, T, Hkv·hd] ×2
+        q, k = q.view(B, T, self.n_heads, self.hd), k.view(B, T, self.n_kv, self.hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         rep = self.n_heads // self.n_kv
         if rep > 1:
@@ -94,7 +98,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """SwiGLU feed-forward (gate and up one product when packed for CPU inference)."""
+
+    fused_linears = ("gate_proj", "up_proj")
 
     def __init__(self, d: int, d_ff: int):
         super().__init__()
@@ -103,7 +109,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused(self, x) or (self.gate_proj(x), self.up_proj(x))  # [..., d_ff] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

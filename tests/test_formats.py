@@ -304,7 +304,9 @@ def test_eval_loads_a_speculators_export(target_dir, tmp_path):
 
 def test_load_head_packs_the_heads_linears_where_the_target_does(target_dir, tmp_path):
     from eval.run import load_head
-    from models.cpu_linear import PackedLinear
+    import torch.nn.functional as F
+
+    from models.cpu_linear import PackedLinear, fused
 
     target, head = make_head("eagle3", target_dir)
     head.export(tmp_path / "draft")
@@ -317,6 +319,20 @@ def test_load_head_packs_the_heads_linears_where_the_target_does(target_dir, tmp
     x = torch.randn(3, 4, fast.lm_head.in_features)
     with torch.no_grad():
         torch.testing.assert_close(fast.lm_head(x), plain.lm_head(x), rtol=1e-4, atol=1e-4)
+    # q/k/v and gate/up are one product each in the packed head, with the same outputs as the separate layers
+    attn, mlp = fast.midlayer.self_attn, fast.midlayer.mlp
+    h = torch.randn(1, 5, attn.q_proj.in_features)
+    cos, sin = fast.rotary(torch.arange(5)[None])
+    with torch.no_grad():
+        assert fused(attn, h) is not None and fused(mlp, h[..., :mlp.gate_proj.in_features]) is not None
+        for a, b in zip(attn.qkv(h, cos, sin), plain.midlayer.self_attn.qkv(h, cos, sin)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        y = h[..., :mlp.gate_proj.in_features]
+        torch.testing.assert_close(mlp(y), plain.midlayer.mlp(y), rtol=1e-4, atol=1e-4)
+        mlp.up_proj.weight.mul_(2)  # a weight changed in place: the packed copies follow it
+        torch.testing.assert_close(mlp(y), F.linear(F.silu(F.linear(y, mlp.gate_proj.weight)) * F.linear(y, mlp.up_proj.weight),
+                                                    mlp.down_proj.weight), rtol=1e-4, atol=1e-4)
+    assert fused(attn, h) is None  # autograd: the separate layers
 
 
 # -- the real client: the speculators library in its own environment ---------------------------------
