@@ -131,6 +131,13 @@ def test_init_from_starts_a_run_from_an_export(tiny_target_dir, tiny_chats, tmp_
         assert torch.equal(head.state_dict()[k], v), k
     second = run(compose_train(over + [f"init_from={first['export']}"]))
     assert second["global_step"] == 2 and torch.equal(load_draft(second["export"], target).d2t, src.d2t)
+    # shipping the continued run reports the run it started from (train.ship)
+    from train.ship import ship
+
+    report = ship(tmp_path / "b", tmp_path / "shipped")
+    assert report["started_from"]["init_from"] == first["export"]
+    assert [r["step"] for r in report["started_from"]["validation_curve"]] == [1]
+    assert report["training"]["train_tokens_including_init"] == first["train_tokens"] + second["train_tokens"]
     _, other, _ = build(compose_train(over[:-1] + ["draft.draft_vocab_size=30"]))
     with pytest.raises(UserError, match="init_from=.*does not fit this draft config"):
         init_from_export(other, first["export"], target)

@@ -5,8 +5,9 @@
 Writes ``out/`` atomically: the draft in our own format (what ``python -m eval`` loads) with its floating weights
 in ``dtype`` (bfloat16 halves it; frozen copies of the target's tensors are never stored), the resolved training
 config, and ``report.json``: the recipe (the training command's config), the run's ``result.json`` (steps, tokens,
-training time, validation metrics per the best checkpoint), the validation curve from the run's CSV log, and, when
-given, the evaluation it was measured with (``python -m eval``'s results.json).
+training time, validation metrics per the best checkpoint), the validation curve from the run's CSV log, the run it
+started from when it was trained with ``init_from=``, and, when given, the evaluation it was measured with
+(``python -m eval``'s results.json).
 """
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ def validation_curve(run_dir: Path) -> list[dict]:
     return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
 
 
+def started_from(init_from: str) -> dict:
+    """What a run that began from ``init_from=`` (an exported draft) started with: that run's training summary and
+    validation curve, from a shipped folder's report.json or the run directory holding the export."""
+    p = Path(init_from)
+    if (p / "report.json").exists():
+        r = json.loads((p / "report.json").read_text())
+        return {"init_from": init_from, "training": r.get("training", {}), "validation_curve": r.get("validation_curve", []),
+                **({"started_from": r["started_from"]} if "started_from" in r else {})}
+    run = p.parent if p.name == "draft" else p
+    result = json.loads((run / "result.json").read_text()) if (run / "result.json").exists() else {}
+    return {"init_from": init_from, "training": {k: v for k, v in result.items() if k not in ("run_dir", "best_checkpoint", "export")},
+            "validation_curve": validation_curve(run)}
+
+
 def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: str | None = None) -> dict:
     from models.formats import load_draft, read_draft_config, resolve_draft_dir
     from models.target import DTYPES, FrozenTarget
@@ -50,6 +65,11 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
               "stored_parameters": sum(v.numel() for k, v in head.state_dict().items() if k not in head.target_copies()),
               "training": {k: v for k, v in result.items() if k not in ("run_dir", "best_checkpoint", "export")},
               "validation_curve": validation_curve(run_dir)}
+    if (train_config or {}).get("init_from"):  # continued training: the run it started from, and the token-passes of both
+        report["started_from"] = started_from(str(train_config["init_from"]))
+        before = report["started_from"]["training"].get("train_tokens")
+        if before is not None and "train_tokens" in report["training"]:
+            report["training"]["train_tokens_including_init"] = before + report["training"]["train_tokens"]
     data_cfg = (train_config or {}).get("data") or {}
     if data_cfg.get("feature_dir"):  # what the head was trained on: the offline caches' splits (samples, tokens)
         report["features"] = {}
