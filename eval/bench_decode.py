@@ -14,7 +14,10 @@ then each drafter generate up to ``max_new_tokens`` tokens with :class:`eval.dec
   n = drafted/passes + 1 (the pending token plus the drafted tokens or tree nodes);
 - the decoder's own share of wall time (acceptance, cache crops, bookkeeping): 1 − (draft + verify + prefill)/total;
 - τ, the realised speed-up (tokens/s against plain decoding's on the same prompts), the free-draft bound
-  τ·T(1)/T(n) (the speed-up if drafting cost nothing) and realised/bound.
+  τ·T(1)/T(n) (the speed-up if drafting cost nothing) and realised/bound;
+- what drafting alone leaves of the bound, r/(r + d·c) with r = T(n)/T(1), d drafted tokens per pass and c the
+  draft cost per token (realised/bound is this less the decoder's and prefill's share), and the draft cost
+  r/(4·d) at which realised/bound would reach 0.8.
 
 Beside them: T(1+D)/T(1) measured in isolation by :func:`eval.planner.verify_costs` over a cache of
 ``profile.context`` tokens, for D up to the largest block used; and ``torch.profiler`` tables (the top operators
@@ -59,6 +62,8 @@ def metrics(s: Agg, plain: Agg) -> dict:
     speedup = tps / max(plain_tps, 1e-9)
     bound = tau / ratio if ratio else None
     total = max(s.t_total, 1e-9)
+    d = s.drafted / max(s.passes, 1)  # drafted tokens per verify pass
+    c = s.t_draft / s.drafted / t1 if s.drafted and t1 > 0 else None
     return {
         "tau": _r(tau, 3),
         "mean_block": _r(s.drafted / max(s.passes, 1) + 1, 3),
@@ -72,6 +77,10 @@ def metrics(s: Agg, plain: Agg) -> dict:
         "speedup": _r(speedup, 3),
         "free_draft_bound": _r(bound, 3),
         "realised_over_bound": _r(speedup / bound, 3) if bound else None,
+        # a round costs T(n) + d·c·T(1) against the bound's T(n): what drafting alone leaves of the bound, and the draft
+        # cost per token at which realised/bound would reach 0.8 at this block size (r / (4·d))
+        "bound_left_by_draft": _r(ratio / (ratio + d * c), 3) if ratio and c is not None else None,
+        "draft_cost_for_80pct": _r(ratio / (4 * d), 4) if ratio and d > 0 else None,
         "new_tokens": s.new_tokens,
         "passes": s.passes,
         "drafted": s.drafted,

@@ -54,7 +54,12 @@ def test_bench_decode_writes_every_field(tiny_target_dir, prompts, tmp_path):
             assert m["realised_over_bound"] > 0 and m["isolated_verify_cost_ratio"] > 0
             assert m["draft_cost_per_token"] is None or m["draft_cost_per_token"] > 0
         assert row["medusa"]["tree"] is True and row["ngram"]["tree"] is False
-        assert row["medusa"]["drafted"] > 0 and row["medusa"]["draft_cost_per_token"] > 0
+        med = row["medusa"]
+        assert med["drafted"] > 0 and med["draft_cost_per_token"] > 0
+        r, d = med["verify_cost_ratio"], med["drafted"] / med["passes"]
+        assert med["bound_left_by_draft"] == pytest.approx(r / (r + d * med["draft_cost_per_token"]), rel=0.02)
+        assert med["draft_cost_for_80pct"] == pytest.approx(r / (4 * d), rel=0.02)
+        assert med["realised_over_bound"] <= med["bound_left_by_draft"] * 1.1  # the decoder and prefill only take more
         if tname == "T=0":
             assert row["ngram"]["greedy_identical"] == "1/1" and row["medusa"]["greedy_identical"] == "1/1"
     assert res["isolated"]["ratio"][0] == 1.0 and len(res["isolated"]["t_ms"]) >= 1
