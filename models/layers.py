@@ -73,16 +73,27 @@ class Attention(nn.Module):
         """x [B, T, d_in] → q [B, H, T, hd], k, v [B, H, T, hd] (K/V repeated to H heads), rotary applied."""
         B, T, _ = x.shape
         q, k, v = fused(self, x) or (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # [B, T, H·hd], [B, T, Hkv·hd] ×2
-        q, k = q.view(B, T, self.n_heads, self.hd), k.view(B, T, self.n_kv, self.hd)
+        q = q.view(B, T, self.n_heads, self.hd)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q = self.q_norm(q)
+        return apply_rotary(q.transpose(1, 2), cos, sin), *self._kv_heads(k, v, cos, sin)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`qkv` without the query: rows that are only attended to (DFlash's context) skip q_proj."""
+        return self._kv_heads(self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def _kv_heads(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected k, v [B, T, Hkv·hd] → [B, H, T, hd] each (k normed where qk_norm, rotary; both repeated to H heads)."""
+        B, T, _ = k.shape
+        k = k.view(B, T, self.n_kv, self.hd)
+        if hasattr(self, "k_norm"):
+            k = self.k_norm(k)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         rep = self.n_heads // self.n_kv
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return q, k, v
+        return k, v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, H, T, hd] → [B, T, d]."""

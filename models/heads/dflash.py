@@ -45,8 +45,7 @@ class DFlashLayer(nn.Module):
 
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ctx [B, Tc, d] → k, v [B, H, Tc, hd] (the block's own k/v projections, rotary at context positions)."""
-        _, k, v = self.self_attn.qkv(ctx, cos, sin)
-        return k, v
+        return self.self_attn.kv(ctx, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
