@@ -7,20 +7,32 @@ drafted token over T(1)). Acceptance is learnt while decoding: a_j is the runnin
 position j with a Beta(1, 1) prior, so positions not yet tried look promising until tried (exploration), and
 positions that keep failing are dropped. k never goes below 1, so acceptance keeps being measured; choosing k
 does not change the output (the decoder stays lossless for any k).
+
+With a tree (a drafter entry with both ``tree:`` and ``k: auto``) k is the tree's depth: the budget, top-k and
+min_prob stay as configured and each round grows a tree at most k levels deep. a_j is then the chance that the
+accepted path, having reached depth j−1, reaches depth j; the verify cost is the curve at the round's node count
+(the mean over the rounds that chose k; before any, the most the budget and top-k allow at depth k), and c is the
+draft's seconds per level (one draft forward of the level's nodes) over T(1).
 """
 from __future__ import annotations
+
+from typing import Any
 
 
 class AutoK:
     """One per (drafter, temperature); pass it as ``k`` to :meth:`eval.decoder.SpeculativeDecoder.generate`."""
 
-    def __init__(self, verify_ratio: list[float], t1: float, max_k: int | None = None):
-        """``verify_ratio[d]`` = T(1+d)/T(1) for d = 0..; ``t1`` = T(1) in seconds; ``max_k`` caps k (default: the curve)."""
+    def __init__(self, verify_ratio: list[float], t1: float, max_k: int | None = None, tree: Any = None):
+        """``verify_ratio[d]`` = T(1+d)/T(1) for d = 0..; ``t1`` = T(1) in seconds; ``max_k`` caps k (default: the
+        curve; with ``tree`` (:class:`models.heads.drafting.TreeSpec`) its depth)."""
         if not verify_ratio or verify_ratio[0] <= 0:
             raise ValueError("verify_ratio must start with T(1)/T(1) = 1")
         self.ratio = list(verify_ratio)
         self.t1 = t1
-        self.max_k = min(max_k or len(self.ratio) - 1, len(self.ratio) - 1)
+        self.tree = tree
+        cap = len(self.ratio) - 1 if tree is None else tree.depth
+        self.max_k = min(max_k or cap, cap)
+        self.nodes_seen: dict[int, list[float]] = {}  # k -> [sum of verified nodes, rounds]
         self.reached = [0] * self.max_k
         self.accepted = [0] * self.max_k
         self.draft_s = 0.0
@@ -34,13 +46,29 @@ class AutoK:
         """Seconds per drafted token over T(1) (0 until measured)."""
         return self.draft_s / self.drafted / self.t1 if self.drafted else 0.0
 
+    def nodes(self, k: int) -> float:
+        """Drafted tokens verified in a round of length (tree: depth) k: measured, or before that k for a chain and
+        for a tree the most its budget and top-k allow."""
+        total, rounds = self.nodes_seen.get(k, (0.0, 0))
+        if rounds:
+            return total / rounds
+        t = self.tree
+        return k if t is None else min(t.budget, t.topk + (k - 1) * t.topk ** 2)
+
+    def verify_ratio(self, n: float) -> float:
+        """T(1+n)/T(1), interpolated between measured sizes (the last one beyond the curve)."""
+        n = min(max(n, 0.0), len(self.ratio) - 1)
+        lo = int(n)
+        hi = min(lo + 1, len(self.ratio) - 1)
+        return self.ratio[lo] + (n - lo) * (self.ratio[hi] - self.ratio[lo])
+
     def value(self, k: int) -> float:
-        """Expected tokens per unit of plain-step time at draft length k."""
+        """Expected tokens per unit of plain-step time at draft length (tree: depth) k."""
         tau, run = 1.0, 1.0
         for a in self.acceptance()[:k]:
             run *= a
             tau += run
-        return tau / (self.ratio[k] + k * self.draft_cost())
+        return tau / (self.verify_ratio(self.nodes(k)) + k * self.draft_cost())
 
     def choose(self, limit: int) -> int:
         """The best k in 1..min(max_k, limit) (0 when limit < 1)."""
@@ -51,8 +79,13 @@ class AutoK:
         self.chosen.append(k)
         return k
 
-    def update(self, reached: int, accepted: int, draft_s: float, drafted: int) -> None:
-        """After a round: positions 1..``reached`` were proposed and reached, the first ``accepted`` accepted."""
+    def update(self, reached: int, accepted: int, draft_s: float, drafted: int, nodes: int | None = None) -> None:
+        """After a round: positions 1..``reached`` were proposed and reached, the first ``accepted`` accepted;
+        ``drafted`` tokens (tree: levels) cost ``draft_s``; ``nodes`` tokens were verified (default ``drafted``)."""
+        if self.chosen:
+            seen = self.nodes_seen.setdefault(self.chosen[-1], [0.0, 0])
+            seen[0] += drafted if nodes is None else nodes
+            seen[1] += 1
         for i in range(min(reached, self.max_k)):
             if i > accepted:
                 break

@@ -203,8 +203,8 @@ class SpeculativeDecoder:
             t1 = time.perf_counter()
             if kk <= 0:
                 prop = Proposal(torch.empty(0, dtype=torch.long))
-            elif tree is not None and hasattr(drafter, "propose_tree"):
-                prop = drafter.propose_tree(new[-1], replace(tree, depth=min(tree.depth, budget - 1)), sampler)
+            elif tree is not None and hasattr(drafter, "propose_tree"):  # k=auto with a tree: kk is its depth
+                prop = drafter.propose_tree(new[-1], replace(tree, depth=min(tree.depth, budget - 1, kk if auto else tree.depth)), sampler)
             else:
                 prop = drafter.propose(new[-1], kk, sampler)
             is_tree = prop.parents is not None
@@ -254,7 +254,7 @@ class SpeculativeDecoder:
             drafter.commit(block[0, keep], _rows(vout, keep))
             stats.t_draft += time.perf_counter() - t4
             if auto:
-                k.update(reached, n, stats.t_draft - t_draft_before, draft.numel())
+                k.update(reached, n, stats.t_draft - t_draft_before, reached if is_tree else draft.numel(), draft.numel())
         stats.new_tokens = len(new)
         stats.t_total = time.perf_counter() - t0
         return new, stats

@@ -179,7 +179,9 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
         raise UserError(f"k={k}: the draft length must be an integer >= 1, or auto")
     wanted = {name: getattr(d, "draft_k", k) for name, d in drafters.items()}
     # k=auto (eval.autok): each drafter learns its acceptance and picks k per round against the measured verify curve
-    autok = auto_k_factory(target) if "auto" in wanted.values() else None
+    trees = {name: getattr(d, "tree_spec", None) for name, d in drafters.items()}
+    autok = auto_k_factory(target, max_nodes=max([8] + [t.budget for n, t in trees.items() if t and wanted[n] == "auto"])) \
+        if "auto" in wanted.values() else None
     for t in temperatures:
         Sampler(float(t), top_p)  # validates
     dec = SpeculativeDecoder(target, eos_token_ids if eos_token_ids is not None else _eos_ids(target, tokenizer))
@@ -193,7 +195,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
         for temp in temperatures:
             temp = float(temp)
             aggs = {name: Agg() for name in ["plain", *drafters]}
-            ks = {name: (autok() if w == "auto" else w) for name, w in wanted.items()}  # AutoK learns per drafter and temperature
+            ks = {name: (autok(trees[name]) if w == "auto" else w) for name, w in wanted.items()}  # AutoK learns per drafter and temperature
             for ci, conv in enumerate(convs):
                 histories = {name: ([{"role": "system", "content": conv["system"]}] if conv.get("system") else [])
                              for name in aggs}
@@ -242,17 +244,18 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
     return results
 
 
-def auto_k_factory(target: Any, max_k: int = 8, context: int = 256, reps: int = 7):
-    """Measure the target's verify curve once (:func:`eval.planner.verify_costs`) → a factory of fresh
-    :class:`eval.autok.AutoK` policies on it."""
+def auto_k_factory(target: Any, max_k: int = 8, context: int = 256, reps: int = 7, max_nodes: int | None = None):
+    """Measure the target's verify curve once (:func:`eval.planner.verify_costs`, up to ``max_nodes`` drafted tokens:
+    the largest tree budget) → a factory of fresh :class:`eval.autok.AutoK` policies on it (``factory(tree)``: k is
+    that tree's depth)."""
     from eval.autok import AutoK
     from eval.planner import verify_costs
 
     device = str(next(target.parameters()).device)
-    costs = verify_costs(target.model, max_k, context, reps, device)
+    costs = verify_costs(target.model, max(max_k, max_nodes or 0), context, reps, device)
     ratio = [c / costs[0] for c in costs]
     print("k=auto: verify cost T(1+d)/T(1) = " + ", ".join(f"{r:.2f}" for r in ratio) + f" (T(1) {costs[0] * 1e3:.1f} ms)", flush=True)
-    return lambda: AutoK(ratio, costs[0], max_k)
+    return lambda tree=None: AutoK(ratio, costs[0], max_k, tree)
 
 
 def _eos_ids(target: Any, tokenizer: Any) -> list[int]:

@@ -241,6 +241,29 @@ def test_auto_k_is_lossless_and_follows_acceptance(target):
         assert (common >= 4) if long else (auto.chosen[-10:] == [1] * 10), auto.chosen
 
 
+def test_auto_depth_trees_are_lossless_and_follow_acceptance(target):
+    """k=auto with a tree: k is the tree's depth, chosen every round against the verify cost at the node count
+    measured for that depth (before any round: what the budget and top-k allow); greedy output stays identical."""
+    from eval.autok import AutoK
+
+    spec = TreeSpec(budget=16, depth=4, topk=3)
+    ratio = [1.0 + 0.05 * i for i in range(17)]
+    fresh = AutoK(ratio, t1=1.0, tree=spec)
+    assert fresh.max_k == 4 and [fresh.nodes(k) for k in (1, 2, 3)] == [3, 12, 16]
+    assert fresh.verify_ratio(2.5) == pytest.approx(1.125) and fresh.verify_ratio(40) == ratio[-1]
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    flat = [1.0 + 0.01 * i for i in range(17)]  # a GPU-like verify curve: deep trees cost little more than shallow ones
+    for p_wrong, long, curve in ((0.0, True, flat), (1.0, False, ratio)):
+        auto = AutoK(curve, t1=1e6, tree=spec)  # draft time counts as free (see the chain test above)
+        for prompt in PROMPTS:
+            out, st = dec.generate(prompt, OracleTree(target.model, p_wrong, width=3, depth=4), k=auto, max_new_tokens=40, tree=spec)
+            assert out == plain_greedy(target.model, prompt, 40)
+        common = max(set(auto.chosen), key=auto.chosen.count)
+        assert (common >= 3) if long else (auto.chosen[-10:] == [1] * 10), auto.chosen
+        total, rounds = auto.nodes_seen[common]
+        assert rounds > 0 and auto.nodes(common) == total / rounds and 3 <= auto.nodes(common) <= 4 * common
+
+
 def test_eval_drafter_entries_take_tree_and_k(target):
     """conf/eval.yaml drafters: ``tree:`` and ``k:`` keys per entry; user mistakes are one clear line."""
     from data.errors import UserError
