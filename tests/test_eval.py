@@ -42,12 +42,16 @@ def run_eval(*args, draft_model: str | None = None):
 def test_eval_writes_table_json_and_plot(tiny_target_dir, trained, prompts, tmp_path):
     out = tmp_path / "eval"
     r = run_eval(f"target.name_or_path={tiny_target_dir}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
-                 f"eval_set.jsonl.path={prompts}", f"out_dir={out}", "max_new_tokens=12", "k=3")
+                 f"eval_set.jsonl.path={prompts}", f"out_dir={out}", "max_new_tokens=12", "k=3",
+                 f"+drafters.tree_auto={{_target_: eval.run.load_head, path: {trained}, tree: {{budget: 4, depth: 3, topk: 2}}, k: auto}}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "max_new_tokens=12" in r.stdout and "| set | T | drafter |" in r.stdout
     res = json.loads((out / "results.json").read_text())
     row = res["results"]["prompts"]
-    assert set(row) == {"T=0", "T=1"} and set(row["T=0"]) == {"plain", "ngram", "eagle3"}
+    assert set(row) == {"T=0", "T=1"} and set(row["T=0"]) == {"plain", "ngram", "eagle3", "tree_auto"}
+    for t in ("T=0", "T=1"):  # k=auto over a tree of depth <= 3: k is the depth chosen each round
+        assert set(row[t]["tree_auto"]["auto_k"]["histogram"]) <= {"1", "2", "3"}
+    assert row["T=0"]["tree_auto"]["greedy_identical"] == "3/3"
     # 3 generations (one prompt + a two-turn chat), every drafter identical to plain at T=0
     assert row["T=0"]["eagle3"]["greedy_identical"] == "3/3" and row["T=0"]["ngram"]["greedy_identical"] == "3/3"
     assert row["T=0"]["plain"]["tau"] == 1.0 and row["T=0"]["eagle3"]["tau"] >= 1.0
