@@ -16,15 +16,18 @@ draft's seconds per level (one draft forward of the level's nodes) over T(1).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from models.heads.drafting import TreeSpec
 
 
 class AutoK:
     """One per (drafter, temperature); pass it as ``k`` to :meth:`eval.decoder.SpeculativeDecoder.generate`."""
 
-    def __init__(self, verify_ratio: list[float], t1: float, max_k: int | None = None, tree: Any = None):
+    def __init__(self, verify_ratio: list[float], t1: float, max_k: int | None = None, tree: "TreeSpec | None" = None):
         """``verify_ratio[d]`` = T(1+d)/T(1) for d = 0..; ``t1`` = T(1) in seconds; ``max_k`` caps k (default: the
-        curve; with ``tree`` (:class:`models.heads.drafting.TreeSpec`) its depth)."""
+        curve; with ``tree`` its depth)."""
         if not verify_ratio or verify_ratio[0] <= 0:
             raise ValueError("verify_ratio must start with T(1)/T(1) = 1")
         self.ratio = list(verify_ratio)
