@@ -33,6 +33,13 @@ def validation_curve(run_dir: Path) -> list[dict]:
     return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
 
 
+def training_summary(run_dir: Path) -> dict:
+    """The run's ``result.json`` without its paths (steps, tokens, time, validation metrics); {} without one."""
+    p = run_dir / "result.json"
+    result = json.loads(p.read_text()) if p.exists() else {}
+    return {k: v for k, v in result.items() if k not in ("run_dir", "best_checkpoint", "export")}
+
+
 def started_from(init_from: str) -> dict:
     """What a run that began from ``init_from=`` (an exported draft) started with: that run's training summary and
     validation curve, from a shipped folder's report.json or the run directory holding the export."""
@@ -42,9 +49,7 @@ def started_from(init_from: str) -> dict:
         return {"init_from": init_from, "training": r.get("training", {}), "validation_curve": r.get("validation_curve", []),
                 **({"started_from": r["started_from"]} if "started_from" in r else {})}
     run = p.parent if p.name == "draft" else p
-    result = json.loads((run / "result.json").read_text()) if (run / "result.json").exists() else {}
-    return {"init_from": init_from, "training": {k: v for k, v in result.items() if k not in ("run_dir", "best_checkpoint", "export")},
-            "validation_curve": validation_curve(run)}
+    return {"init_from": init_from, "training": training_summary(run), "validation_curve": validation_curve(run)}
 
 
 def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: str | None = None) -> dict:
@@ -59,11 +64,10 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
     target = FrozenTarget(cfg["target"]["name_or_path"], dtype="float32")
     head = load_draft(draft, target)
     train_config = json.loads((draft / "train_config.json").read_text()) if (draft / "train_config.json").exists() else None
-    result = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
     report = {"draft": str(draft), "family": head.family, "target": cfg["target"], "tap_layers": cfg["tap_layers"],
               "stored_dtype": dtype, "trainable_parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
               "stored_parameters": sum(v.numel() for k, v in head.state_dict().items() if k not in head.target_copies()),
-              "training": {k: v for k, v in result.items() if k not in ("run_dir", "best_checkpoint", "export")},
+              "training": training_summary(run_dir),
               "validation_curve": validation_curve(run_dir)}
     if (train_config or {}).get("init_from"):  # continued training: the run it started from, and the token-passes of both
         report["started_from"] = started_from(str(train_config["init_from"]))
