@@ -78,10 +78,13 @@ def test_untrained_head_starts_from_the_target(cfg_path):
     W = target.lm_head().weight.detach().float()
     counts = torch.randint(0, 1000, (W.shape[0],), generator=torch.Generator().manual_seed(7))
     head.prepare_from_data(counts)
-    rows = head.draft_ids() if hasattr(head, "draft_ids") else torch.arange(W.shape[0])
-    heads = getattr(head, "heads", None) or [head.lm_head]  # Medusa: one output head per step
-    for lin in heads:
-        assert torch.equal(lin.weight, W[rows])
+    if hasattr(head, "draft_head"):  # MTP: the target's whole head, and its draft-vocabulary rows for decoding
+        assert torch.equal(head.lm_head.weight, W) and torch.equal(head.draft_head.weight, W[head.draft_ids()])
+    else:
+        rows = head.draft_ids() if hasattr(head, "draft_ids") else torch.arange(W.shape[0])
+        heads = getattr(head, "heads", None) or [head.lm_head]  # Medusa: one output head per step
+        for lin in heads:
+            assert torch.equal(lin.weight, W[rows])
     final = target.model.model.norm.weight.float()
     for name, m in head.named_modules():
         if name == "norm" or name.endswith(".norm"):

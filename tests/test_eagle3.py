@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from conftest import ROOT
-from models.heads.eagle3 import build_draft_vocab, step_weights
+from models.heads.eagle3 import step_weights
+from models.heads.vocab import build_draft_vocab
 from models.layers import shift_left
 from test_heads import batch, make_head
 

@@ -34,7 +34,7 @@ from models.target import FrozenTarget, default_tap_layers
 LOGIT_ATOL = 1e-4  # speculators vs ours, fp32 on CPU (different attention kernels and RoPE code; measured ~2e-7)
 QK_NORM = "qk_norm" in inspect.signature(DFlashHead.__init__).parameters  # can the DFlash head hold a DFlash layer?
 SMALL = {"eagle3": {"ttt_steps": 3, "draft_vocab_size": 200}, "dflash": {"block_size": 4, "num_layers": 2},
-         "dspark": {"block_size": 4, "num_layers": 2, "markov_rank": 16}, "mtp": {"num_modules": 3, "loss_weights": [1.0, 0.6, 0.36]}}
+         "dspark": {"block_size": 4, "num_layers": 2, "markov_rank": 16}, "mtp": {"num_modules": 3, "loss_weights": [1.0, 0.6, 0.36], "draft_vocab_size": 200}}
 CONFIG = {"mtp": "mtp_speculators"}  # the draft config each family is exported from (default: conf/draft/<family>.yaml)
 CASES = [("eagle3", "speculators"), ("eagle3", "sglang"), ("dflash", "speculators"), ("dflash", "dflash"),
          ("dspark", "speculators"), ("mtp", "speculators")]

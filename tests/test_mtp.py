@@ -201,3 +201,32 @@ def test_exports_from_before_the_layout_options_load_unchanged(tmp_path):
     b = batch()
     feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
     assert torch.equal(head.training_loss(b, feats).loss, back.training_loss(b, feats).loss)
+
+
+@LAYOUTS
+def test_draft_vocabulary_restricts_decoding_only(cfg, tmp_path):
+    """``draft_vocab_size``: the same training loss as the full head, drafts only from the most frequent tokens (the
+    rows of the frozen head, exactly), and our export keeps the vocabulary. Decoding equals training with it:
+    tests/test_decode_equals_train.py runs every config with a reduced vocabulary."""
+    from models.formats import load_draft
+
+    target, head = make_head(cfg, draft_vocab_size=40)
+    counts = torch.arange(128.0).flip(0)  # token i is the i-th most frequent: the vocabulary is ids 0..39
+    head.prepare_from_data(counts)
+    _, full = make_head(cfg)
+    full.load_state_dict({k: v for k, v in head.state_dict().items() if k not in head.decode_only_state})
+    b = batch()
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
+    assert torch.equal(head.training_loss(b, feats).loss, full.training_loss(b, feats).loss)
+    assert torch.equal(head.draft_head.weight, head.lm_head.weight[:40])
+    h = torch.randn(3, head.lm_head.in_features)
+    restricted, whole = head.draft_logits(1, h), full.draft_logits(1, h)
+    assert torch.equal(restricted[:, :40], whole[:, :40]) and torch.isinf(restricted[:, 40:]).all()
+    prompt = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(2))
+    head.start(prompt, target(prompt[None]))
+    assert max(head.propose(5, 3, Sampler()).tokens.tolist()) < 40
+    head.export(tmp_path / "draft")
+    back = load_draft(tmp_path / "draft", target)
+    assert torch.equal(back.d2t, head.d2t) and torch.equal(back.draft_head.weight, head.draft_head.weight)
+    with pytest.raises(UserError, match="draft_vocab_size=0"):
+        MTPHead(target, draft_vocab_size=0)

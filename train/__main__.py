@@ -80,13 +80,14 @@ def init_from_export(head: Any, path: str, target: Any) -> None:
         raise UserError(f"init_from={path}: trained on tap layers {src.tap_layers}, this run taps {taps} (set "
                         f"target.tap_layers={src.tap_layers})")
     mine, theirs = head.state_dict(), src.state_dict()
-    bad = [k for k in mine if k not in theirs or theirs[k].shape != mine[k].shape]
+    own = [k for k in head.decode_only_state if k in mine and k not in theirs]  # e.g. MTP's draft vocabulary: this run's
+    bad = [k for k in mine if k not in own and (k not in theirs or theirs[k].shape != mine[k].shape)]
     if bad:
         raise UserError(f"init_from={path}: does not fit this draft config: {bad[0]} "
                         f"{tuple(theirs[bad[0]].shape) if bad[0] in theirs else 'missing'} vs {tuple(mine[bad[0]].shape)} "
                         "(use the draft settings it was trained with)")
-    head.load_state_dict(theirs)
-    print(f"initialised from {path} (its weights and draft vocabulary)")
+    head.load_state_dict(theirs, strict=not own)
+    print(f"initialised from {path} (its weights and draft vocabulary{'; the draft vocabulary from this run' if own else ''})")
 
 
 def check_lengths(cfg: DictConfig, target: Any, dm: Any) -> None:
@@ -113,10 +114,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     ckpt = resolve_ckpt(cfg.ckpt_path, ckpt_dir)
     module = DraftModule(target, head, time_budget_s=cfg.get("time_budget_s"), **cfg.optim)
-    if ckpt is None and cfg.get("init_from"):
-        init_from_export(head, str(cfg.init_from), target)
-    elif ckpt is None:
+    if ckpt is None:
         head.prepare_from_data(dm.token_counts())
+        if cfg.get("init_from"):  # its weights and draft vocabulary (a head whose vocabulary only drafts: this run's)
+            init_from_export(head, str(cfg.init_from), target)
     else:
         state = read_checkpoint(ckpt)
         check_checkpoint(state, ckpt, module)

@@ -152,8 +152,9 @@ def _mtp_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, d
     cfg.update(transformer_layer_config=layer_config("qwen3", d, tc, last, dtype), num_nextn_predict_layers=1)
 
     def rename(k: str) -> str | None:
-        if k in ("embed_tokens.weight", "lm_head.weight"):
-            return None  # speculators always loads the verifier's (ours are frozen copies of them)
+        if k in ("embed_tokens.weight", "lm_head.weight") or k in head.decode_only_state:
+            return None  # speculators always loads the verifier's (ours are frozen copies); a draft vocabulary only
+            # restricts our decoding, and vLLM drafts from the full head
         part, _, rest = k.removeprefix("layers.0.").partition(".")
         return f"mtp_layers.0.{rest}" if part == "block" else f"mtp_layers.0.{MTP_NAMES[part]}.{rest}"
 
@@ -194,7 +195,8 @@ def _mtp_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
     args = cfg["init_args"]
     if args.get("num_modules", depths) != depths:
         args["loss_weights"] = None  # one weight per depth: the recorded ones were for another count
-    args.update(num_modules=depths, shared_module=True, qk_norm=True, chain_normed=True, rms_eps=expect["rms_norm_eps"])
+    args.update(num_modules=depths, shared_module=True, qk_norm=True, chain_normed=True, rms_eps=expect["rms_norm_eps"],
+                draft_vocab_size=None)  # the format holds no draft vocabulary: the imported head drafts from the full head
     taps = own.get("tap_layers") if own.get("family") == "mtp" else None  # unused by MTP; kept for a faithful round trip
     taps = taps or default_tap_layers(target.num_layers, head_class(cfg["class"]).tap_method)
     expect["vocab_size"] = V

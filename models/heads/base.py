@@ -42,6 +42,7 @@ class DraftHead(nn.Module):
     family: ClassVar[str] = "base"
     tap_method: ClassVar[str] = "eagle3"
     needs_teacher_logits: ClassVar[bool] = False
+    decode_only_state: ClassVar[tuple[str, ...]] = ()  # state that only changes how we draft: serving formats may drop it
 
     def __init__(self, target: Any, **init_args: Any):
         super().__init__()

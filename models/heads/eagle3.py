@@ -25,8 +25,9 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.heads.drafting import Proposal, Sampler, draw, proposal
+from models.heads.drafting import Proposal, Sampler, proposal
 from models.heads.trees import TreeSpec, ancestors, grow_tree, node_depths
+from models.heads.vocab import build_draft_vocab, choose, to_target
 from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, shift_left,
                            soft_cross_entropy, ttt_attention)
 from models.target import rope_theta as target_rope_theta
@@ -37,18 +38,6 @@ def step_weights(loss_mask: torch.Tensor, in_vocab: torch.Tensor, valid: torch.T
     ``loss_mask[t+2+j]`` is set, that token is real (not padding), and the target's argmax at t+1+j is in
     the draft vocabulary."""
     return (shift_left(loss_mask, 2 + j) * shift_left(in_vocab.long(), 1 + j) * shift_left(valid, 2 + j)).float()
-
-
-def build_draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``size`` most frequent target ids (ties: lower id) → ``d2t`` [size] offsets and ``t2d`` bool [V]."""
-    V = token_counts.numel()
-    size = min(size, V)
-    order = torch.argsort(-token_counts.double(), stable=True)  # ties: lower id first
-    ids = torch.sort(order[:size]).values
-    d2t = ids - torch.arange(size)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    return d2t, t2d
 
 
 class Eagle3MidLayer(nn.Module):
@@ -197,16 +186,6 @@ class Eagle3Head(DraftHead):
         self._pending_h = self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))
         self._pending_next = tokens.view(-1)[1:]
 
-    def _choose(self, logits: torch.Tensor, sampler: Any) -> tuple[int, torch.Tensor | None]:
-        """Draft logits [Vd] → (target id, q over the target vocabulary [V] or None when greedy)."""
-        t, q = draw(logits, sampler)  # over the draft vocabulary
-        i = int(t)
-        if q is None:
-            return i + int(self.d2t[i]), None
-        full = torch.zeros(self.t2d.numel(), dtype=q.dtype, device=q.device)
-        full[self.draft_ids()] = q
-        return i + int(self.d2t[i]), full
-
     @torch.no_grad()
     def _extend(self, pending: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 1 of every proposal: extend the context with the pending positions (their keys and values; the
@@ -235,7 +214,7 @@ class Eagle3Head(DraftHead):
         ks, vs = self._ctx_k, self._ctx_v
         tokens, probs = [], []
         for j in range(k):
-            t, qv = self._choose(last_logits, sampler)
+            t, qv = choose(last_logits, self.draft_ids(), self.t2d.numel(), sampler)
             tokens.append(t)
             probs.append(qv)
             if j == k - 1:
@@ -246,12 +225,6 @@ class Eagle3Head(DraftHead):
             last_h, lg = self.finish(last_h, o)
             last_logits = lg[0, -1]
         return proposal(tokens, probs)
-
-    def _to_target(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits [m, Vd] → fp32 [m, V] over the target vocabulary, −inf outside the draft vocabulary."""
-        out = torch.full((logits.shape[0], self.t2d.numel()), float("-inf"), device=logits.device)
-        out[:, self.draft_ids()] = logits.float()
-        return out
 
     @torch.no_grad()
     def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
@@ -283,6 +256,6 @@ class Eagle3Head(DraftHead):
                                                                  attn_mask=mask)
             h, logits = self.finish(hid, o)  # [1, m, d], [1, m, Vd]
             hs = torch.cat([hs, h[0]])
-            return self._to_target(logits[0])
+            return to_target(logits[0], self.draft_ids(), self.t2d.numel())
 
-        return grow_tree(self._to_target(last_logits[None])[0], expand, tree, sampler)
+        return grow_tree(to_target(last_logits[None], self.draft_ids(), self.t2d.numel())[0], expand, tree, sampler)

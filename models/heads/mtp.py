@@ -30,6 +30,11 @@ Decoding: module 1 proposes d_1 from the target's state at the last position and
 k proposes d_k from module k−1's states and the embeddings of the tokens d_1..d_{k−1} (teacher forcing with
 the drafts). Only positions whose inputs are all known (committed or the pending token) enter a module's
 cache; the drafted positions are recomputed every round, so nothing speculative needs to be cropped.
+``draft_vocab_size``: draft from the most frequent target tokens only (chosen from the training data, stored as
+``d2t``/``t2d`` like EAGLE-3's, :mod:`models.heads.vocab`). The head is the target's own and frozen, so this changes
+decoding alone: logits on the kept rows are exactly the full head's, and one drafted token reads Vd rows of the head
+instead of V (on the embedded target the full head was two thirds of a drafted token's multiply-adds). Training and
+its accuracies stay over the full vocabulary; serving formats drop the vocabulary (vLLM drafts from the full head).
 ``reuse_last_module``: propose more than D tokens by applying the last module at deeper depths (untrained
 extrapolation, each extra depth with its own cache); off by default.
 
@@ -58,6 +63,7 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
+from models.heads.vocab import build_draft_vocab, choose, to_target
 from models.layers import (Attention, DecoderLayer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding,
                            frozen_linear, lookahead_loss, shift_left)
 from models.target import rope_theta
@@ -106,19 +112,25 @@ class MTPModule(nn.Module):
         return h if self.norm_output else self.norm(h)
 
 
+def _reselect_rows(head: "MTPHead", _incompatible: Any) -> None:
+    """After ``load_state_dict``: the loaded vocabulary picks the draft rows again."""
+    head._select_rows()
+
+
 class MTPHead(DraftHead):
     """``num_modules`` depths D; ``shared_module``: one module at every depth; ``qk_norm``: Qwen3 blocks;
     ``chain_normed``: each depth hands on its final-norm output (see the layouts table above)."""
 
     family = "mtp"
     needs_teacher_logits = True  # accuracy against the target's own top-1 (and soft targets)
+    decode_only_state = ("d2t", "t2d", "draft_head.weight")  # the draft vocabulary (vLLM drafts from the full head)
 
     def __init__(self, target: Any, num_modules: int = 3, loss_weights: list[float] | None = None, soft: bool = False,
                  reuse_last_module: bool = False, rms_eps: float = 1e-6, shared_module: bool = False,
-                 qk_norm: bool = False, chain_normed: bool = False):
+                 qk_norm: bool = False, chain_normed: bool = False, draft_vocab_size: int | None = None):
         super().__init__(target, num_modules=num_modules, loss_weights=loss_weights, soft=soft,
                          reuse_last_module=reuse_last_module, rms_eps=rms_eps, shared_module=shared_module,
-                         qk_norm=qk_norm, chain_normed=chain_normed)
+                         qk_norm=qk_norm, chain_normed=chain_normed, draft_vocab_size=draft_vocab_size)
         if num_modules < 1:
             raise UserError(f"draft.num_modules={num_modules}: must be >= 1")
         weights = [0.8 ** k for k in range(num_modules)] if loss_weights is None else [float(w) for w in loss_weights]
@@ -138,6 +150,18 @@ class MTPHead(DraftHead):
             copy_final_norm(m.norm, target)
         self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
         self.lm_head = frozen_linear(target.lm_head().weight)              # d → V
+        V = self.lm_head.out_features
+        if draft_vocab_size is not None and draft_vocab_size < 1:
+            raise UserError(f"draft.draft_vocab_size={draft_vocab_size}: a token count >= 1, or null for the full vocabulary")
+        self.draft_vocab_size = None if draft_vocab_size is None or draft_vocab_size >= V else int(draft_vocab_size)
+        if self.draft_vocab_size:  # decoding reads draft_head: the lm_head rows of the draft vocabulary, kept in step
+            d2t, t2d = build_draft_vocab(torch.ones(V), self.draft_vocab_size)  # identity-like until data is seen
+            self.register_buffer("d2t", d2t)
+            self.register_buffer("t2d", t2d)
+            self.draft_head = frozen_linear(self.lm_head.weight[: self.draft_vocab_size])  # d → Vd, not exported
+            self.register_buffer("vocab_ids", self.draft_ids(), persistent=False)  # [Vd] target ids, follows .to()
+            self._select_rows()
+            self.register_load_state_dict_post_hook(_reselect_rows)
 
     @property
     def num_steps(self) -> int:
@@ -150,6 +174,24 @@ class MTPHead(DraftHead):
         m = self.layers[0]
         return {"hidden_size": m.eh_proj.out_features, "rms_norm_eps": m.norm.eps, "vocab_size": self.lm_head.out_features,
                 "num_modules": len(self.layers), "chain_normed": m.norm_output}
+
+    def prepare_from_data(self, token_counts: torch.Tensor) -> None:
+        if self.draft_vocab_size:
+            d2t, t2d = build_draft_vocab(token_counts, self.draft_vocab_size)
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            self._select_rows()
+
+    def draft_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary [Vd] (only with ``draft_vocab_size``)."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    @torch.no_grad()
+    def _select_rows(self) -> None:
+        """draft_head ← the frozen head's rows of the draft vocabulary (after the vocabulary was chosen or loaded)."""
+        self.vocab_ids.copy_(self.draft_ids())
+        self.draft_head.weight.copy_(self.lm_head.weight[self.vocab_ids])
+        self._rows_of = self.lm_head.weight._version  # start() selects again if the head changed in place since
 
     def module(self, depth: int) -> MTPModule:
         """Weights used at depth ``depth`` (1-based): module ``depth``, or the last one beyond D (the only one
@@ -164,6 +206,13 @@ class MTPHead(DraftHead):
         """Depth-``depth`` output [..., d] → logits [..., V] through the module's norm and the frozen head."""
         return self.lm_head(self.module(depth).head_input(h))
 
+    def draft_logits(self, depth: int, h: torch.Tensor) -> torch.Tensor:
+        """Decoding's logits: depth-``depth`` states [m, d] → [m, V] over the target vocabulary (−inf outside the draft
+        vocabulary), through the draft rows alone where there is one."""
+        if not self.draft_vocab_size:
+            return self.logits(depth, h)
+        return to_target(self.draft_head(self.module(depth).head_input(h)), self.vocab_ids, self.lm_head.out_features)
+
     def depth_logits(self, ids: torch.Tensor, last_state: torch.Tensor, steps: int):
         """The teacher-forced training forward: yields depth j+1's logits [B, T, V] for j < ``steps``
         (position t reads token t+1+j, predicts t+2+j)."""
@@ -175,7 +224,8 @@ class MTPHead(DraftHead):
             yield self.logits(j + 1, h)  # [B, T, V]
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
-        return torch.stack([lg[0, at] for lg in self.depth_logits(ids, feats.last_state, steps)]).float()
+        out = torch.stack([lg[0, at] for lg in self.depth_logits(ids, feats.last_state, steps)]).float()  # [steps, V]
+        return out.masked_fill(~self.t2d, float("-inf")) if self.draft_vocab_size else out
 
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
@@ -198,6 +248,8 @@ class MTPHead(DraftHead):
     #   _rows[i] [1, r, d]         depth-i states of known positions not yet in depth i+1's cache
     #                              (positions c_{i+1}.. ; _rows[0]: the target's last states)
     def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
+        if self.draft_vocab_size and self.lm_head.weight._version != self._rows_of:
+            self._select_rows()
         self._ids = prompt_ids.view(-1).to(self.lm_head.weight.device)
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rows = [feats.last_state[:1].to(self.lm_head.weight.device, self.eh_dtype)]
@@ -225,9 +277,12 @@ class MTPHead(DraftHead):
             self._kv[j - 1] = (torch.cat([ck, k_new[:, :, : known - c]], 2), torch.cat([cv, v_new[:, :, : known - c]], 2))
             known_prev = n if j == 1 else max(0, n - j + 2)
             self._rows[j - 1] = prev[:, known - c: known_prev - c]  # depth j-1 states depth j has not cached yet
-            logits = self.logits(j, out[0, -1])  # position n-1 predicts x_{n+j}
-            t, q = draw(logits, sampler)
-            t = int(t)
+            h_last = self.module(j).head_input(out[0, -1])  # position n-1 predicts x_{n+j}
+            if self.draft_vocab_size:
+                t, q = choose(self.draft_head(h_last), self.vocab_ids, self.lm_head.out_features, sampler)
+            else:
+                t, q = draw(self.lm_head(h_last), sampler)
+                t = int(t)
             tokens.append(t)
             probs.append(q)
             seq = torch.cat([seq, seq.new_tensor([t])])
@@ -269,7 +324,7 @@ class MTPHead(DraftHead):
         self._rows[j - 1] = prev[:, known - c:]  # depth j-1 states depth j has not cached yet
         m, s = paths.shape[0], n - known  # s: positions known..n-1 read drafts (j = 1: none)
         if s == 0:
-            return out, out[:, :0].expand(m, -1, -1), self.logits(j, out[:, -1]).expand(m, -1)
+            return out, out[:, :0].expand(m, -1, -1), self.draft_logits(j, out[:, -1]).expand(m, -1)
         pos = torch.arange(known, n, device=dev)  # [s]
         emb = self.embed_tokens(paths[:, pos + j - n - 1])  # [m, s, d]: position t reads d_{t+j-n}
         h_prev = torch.cat([self._rows[j - 1].expand(m, -1, -1), spec_below], 1)  # [m, s, d]: known rows, then the path's
@@ -278,7 +333,7 @@ class MTPHead(DraftHead):
         mask = torch.cat([torch.ones(m * s, ck.shape[2], dtype=torch.bool, device=dev), own], 1)  # cache + own rows
         o, _, _ = mod(h_prev.reshape(1, m * s, -1), emb.reshape(1, m * s, -1), cos, sin, (ck, cv), mask)
         o = o.view(m, s, -1)
-        return out, o, self.logits(j, o[:, -1])  # position n-1 predicts the token after each node
+        return out, o, self.draft_logits(j, o[:, -1])  # position n-1 predicts the token after each node
 
     @torch.no_grad()
     def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
