@@ -144,6 +144,15 @@ def test_init_from_starts_a_run_from_an_export(tiny_target_dir, tiny_chats, tmp_
     _, medusa, _ = build(compose_train([o for o in over if not o.startswith("draft.")] + ["draft=medusa"]))
     with pytest.raises(UserError, match="init_from=.*eagle3 draft, but this run trains medusa"):
         init_from_export(medusa, first["export"], target)
+    # MTP's draft vocabulary only changes decoding: an export without one starts a run that chose its own
+    plain = [o for o in over if not o.startswith("draft.")] + ["draft=mtp"]
+    _, mtp, _ = build(compose_train(plain))
+    mtp.export(tmp_path / "mtp")
+    _, small, _ = build(compose_train(plain + ["draft.draft_vocab_size=30"]))
+    small.prepare_from_data(torch.arange(float(small.t2d.numel())))  # this run's counts: the 30 highest ids
+    init_from_export(small, str(tmp_path / "mtp"), target)
+    assert int(small.draft_ids().min()) == small.t2d.numel() - 30
+    assert all(torch.equal(small.state_dict()[k], v) for k, v in mtp.state_dict().items())
 
 
 def test_time_budget_stops_on_the_clock_and_schedules_by_it(tiny_target_dir, tiny_chats, tmp_path):
