@@ -27,7 +27,7 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, proposal
 from models.heads.trees import TreeSpec, ancestors, grow_tree, node_depths
-from models.heads.vocab import build_draft_vocab, choose, to_target
+from models.heads.vocab import build_draft_vocab, choose, draft_ids, to_target
 from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, shift_left,
                            soft_cross_entropy, ttt_attention)
 from models.target import rope_theta as target_rope_theta
@@ -113,7 +113,7 @@ class Eagle3Head(DraftHead):
 
     def draft_ids(self) -> torch.Tensor:
         """Target ids of the draft vocabulary, [Vd]."""
-        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> tuple:
         """One draft step's projections. hidden [B, T, d], tokens [B, T] → (q, k, v) [B, H, T, hd]."""
@@ -214,7 +214,7 @@ class Eagle3Head(DraftHead):
         ks, vs = self._ctx_k, self._ctx_v
         tokens, probs = [], []
         for j in range(k):
-            t, qv = choose(last_logits, self.draft_ids(), self.t2d.numel(), sampler)
+            t, qv = choose(last_logits, self.d2t, self.t2d.numel(), sampler)
             tokens.append(t)
             probs.append(qv)
             if j == k - 1:
@@ -256,6 +256,6 @@ class Eagle3Head(DraftHead):
                                                                  attn_mask=mask)
             h, logits = self.finish(hid, o)  # [1, m, d], [1, m, Vd]
             hs = torch.cat([hs, h[0]])
-            return to_target(logits[0], self.draft_ids(), self.t2d.numel())
+            return to_target(logits[0], self.d2t, self.t2d.numel())
 
-        return grow_tree(to_target(last_logits[None], self.draft_ids(), self.t2d.numel())[0], expand, tree, sampler)
+        return grow_tree(to_target(last_logits[None], self.d2t, self.t2d.numel())[0], expand, tree, sampler)

@@ -63,7 +63,7 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
-from models.heads.vocab import build_draft_vocab, choose, to_target
+from models.heads.vocab import build_draft_vocab, choose, draft_ids, to_target
 from models.layers import (Attention, DecoderLayer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding,
                            frozen_linear, lookahead_loss, shift_left)
 from models.target import rope_theta
@@ -159,7 +159,6 @@ class MTPHead(DraftHead):
             self.register_buffer("d2t", d2t)
             self.register_buffer("t2d", t2d)
             self.draft_head = frozen_linear(self.lm_head.weight[: self.draft_vocab_size])  # d → Vd, not exported
-            self.register_buffer("vocab_ids", self.draft_ids(), persistent=False)  # [Vd] target ids, follows .to()
             self._select_rows()
             self.register_load_state_dict_post_hook(_reselect_rows)
 
@@ -184,13 +183,12 @@ class MTPHead(DraftHead):
 
     def draft_ids(self) -> torch.Tensor:
         """Target ids of the draft vocabulary [Vd] (only with ``draft_vocab_size``)."""
-        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     @torch.no_grad()
     def _select_rows(self) -> None:
         """draft_head ← the frozen head's rows of the draft vocabulary (after the vocabulary was chosen or loaded)."""
-        self.vocab_ids.copy_(self.draft_ids())
-        self.draft_head.weight.copy_(self.lm_head.weight[self.vocab_ids])
+        self.draft_head.weight.copy_(self.lm_head.weight[self.draft_ids()])
         self._rows_of = self.lm_head.weight._version  # start() selects again if the head changed in place since
 
     def module(self, depth: int) -> MTPModule:
@@ -211,7 +209,7 @@ class MTPHead(DraftHead):
         vocabulary), through the draft rows alone where there is one."""
         if not self.draft_vocab_size:
             return self.logits(depth, h)
-        return to_target(self.draft_head(self.module(depth).head_input(h)), self.vocab_ids, self.lm_head.out_features)
+        return to_target(self.draft_head(self.module(depth).head_input(h)), self.d2t, self.lm_head.out_features)
 
     def depth_logits(self, ids: torch.Tensor, last_state: torch.Tensor, steps: int):
         """The teacher-forced training forward: yields depth j+1's logits [B, T, V] for j < ``steps``
@@ -279,7 +277,7 @@ class MTPHead(DraftHead):
             self._rows[j - 1] = prev[:, known - c: known_prev - c]  # depth j-1 states depth j has not cached yet
             h_last = self.module(j).head_input(out[0, -1])  # position n-1 predicts x_{n+j}
             if self.draft_vocab_size:
-                t, q = choose(self.draft_head(h_last), self.vocab_ids, self.lm_head.out_features, sampler)
+                t, q = choose(self.draft_head(h_last), self.d2t, self.lm_head.out_features, sampler)
             else:
                 t, q = draw(self.lm_head(h_last), sampler)
                 t = int(t)

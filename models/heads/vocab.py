@@ -24,20 +24,25 @@ def build_draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tens
     return d2t, t2d
 
 
-def to_target(logits: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
-    """Draft logits [m, Vd] over the target ids ``ids`` [Vd] → fp32 [m, V], −inf outside the draft vocabulary."""
+def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """Target ids of the draft vocabulary [Vd] from its ``d2t`` offsets [Vd]."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def to_target(logits: torch.Tensor, d2t: torch.Tensor, V: int) -> torch.Tensor:
+    """Draft logits [m, Vd] → fp32 [m, V] over the target vocabulary, −inf outside the draft vocabulary."""
     out = torch.full((logits.shape[0], V), float("-inf"), device=logits.device)
-    out[:, ids] = logits.float()
+    out[:, draft_ids(d2t)] = logits.float()
     return out
 
 
-def choose(logits: torch.Tensor, ids: torch.Tensor, V: int, sampler: Sampler) -> tuple[int, torch.Tensor | None]:
+def choose(logits: torch.Tensor, d2t: torch.Tensor, V: int, sampler: Sampler) -> tuple[int, torch.Tensor | None]:
     """Draft logits [Vd] → (target id, q over the target vocabulary [V] or None when greedy): the draw happens over
     the draft vocabulary, and q is zero outside it."""
     t, q = draw(logits, sampler)
     i = int(t)
     if q is None:
-        return int(ids[i]), None
+        return i + int(d2t[i]), None
     full = torch.zeros(V, dtype=q.dtype, device=q.device)
-    full[ids] = q
-    return int(ids[i]), full
+    full[draft_ids(d2t)] = q
+    return i + int(d2t[i]), full
