@@ -6,11 +6,14 @@ same prompts; plain decoding and the baselines (n-gram, ...) are the horizontal 
     python -m eval.curve budgets=[100,300,900] "families.mtp=[draft=mtp]"
     python -m eval.curve unit=tokens budgets=[2e5,4e5,8e5] tokens_per_step=2500
     python -m eval.curve schedule=fixed budgets=[100,200,400]         # one cosine schedule to the last budget
+    python -m eval.curve unit=seconds budgets=[900,1800,3600] "families.mtp=[experiment=mtp_cpu1h]"   # one CPU hour
 
 Point i runs ``python -m train ... ckpt_path=last trainer.max_steps=<steps_i>`` in ``<run_dir>/<family>``, so it
 continues from point i−1's last checkpoint (``schedule=raise``, the default: each resume stretches the schedule to
 the new budget; ``schedule=fixed``: ``trainer.max_steps`` is the last budget and ``stop_at_step`` ends each point,
-so every point lies on the one schedule of the longest run). A finished point (``points/<steps>.json``) is not
+so every point lies on the one schedule of the longest run). ``unit=seconds``: budgets are seconds of training
+time (``time_budget_s``, summed over resumes); ``fixed`` runs the schedule of the last budget and ends each point
+with ``stop_at_s``, ``raise`` stretches ``time_budget_s`` to each point. A finished point (``points/<steps>.json``) is not
 trained or evaluated again. Validation expected acceptance length (``val/acc_len``) is that of the exported draft
 (the best checkpoint by val acc_len so far). Writes ``curve.json`` (points, references, the Pearson correlation
 between val acc_len and decoder τ across all points) and ``curve.png`` (τ against training tokens, one line per
@@ -32,10 +35,15 @@ from omegaconf import DictConfig
 from data.errors import UserError, cli, instantiate, run_main, write_json
 
 
+UNITS = ("steps", "tokens", "seconds")
+NO_STEP_CAP = 10_000_000  # unit=seconds: the time budget ends a run, trainer.max_steps is out of reach
+
+
 def budget_steps(budgets: list[float], unit: str, tokens_per_step: float | None) -> list[int]:
-    """Budgets → increasing training steps (tokens are converted with ``tokens_per_step``)."""
-    if unit not in ("steps", "tokens"):
-        raise UserError(f"unit={unit!r}: use steps or tokens")
+    """Budgets → increasing training steps (tokens are converted with ``tokens_per_step``), or whole seconds of
+    training time for ``unit=seconds``."""
+    if unit not in UNITS:
+        raise UserError(f"unit={unit!r}: use one of {', '.join(UNITS)}")
     if not budgets:
         raise UserError("budgets=[]: give at least one budget")
     if unit == "tokens":
@@ -74,35 +82,47 @@ def exported_acc_len(result: dict) -> tuple[float | None, list[float]]:
     return (None if v is None else float(v)), accs
 
 
-def train_point(family: str, overrides: list[str], shared: list[str], run: Path, steps: int, last_budget: int,
-                schedule: str) -> dict:
-    """Continue ``family``'s one run to ``steps`` global steps; return its result.json and the step it resumed from."""
-    start = last_step(run)
-    if start > steps:
-        raise UserError(f"{run}: already at step {start} > {steps}; use a new run_dir for a shorter curve")
-    budget = [f"trainer.max_steps={steps}"] if schedule == "raise" else [f"trainer.max_steps={last_budget}",
-                                                                        f"stop_at_step={steps}"]
+def budget_overrides(unit: str, schedule: str, point: int, last_budget: int) -> list[str]:
+    """The ``python -m train`` overrides that end a run at budget ``point`` (steps, or seconds of training time)."""
     if schedule not in ("raise", "fixed"):
         raise UserError(f"schedule={schedule!r}: use raise or fixed")
+    if unit == "seconds":
+        cap = f"trainer.max_steps={NO_STEP_CAP}"
+        return [f"time_budget_s={point}", cap] if schedule == "raise" else [f"time_budget_s={last_budget}",
+                                                                          f"stop_at_s={point}", cap]
+    return [f"trainer.max_steps={point}"] if schedule == "raise" else [f"trainer.max_steps={last_budget}",
+                                                                      f"stop_at_step={point}"]
+
+
+def train_point(family: str, overrides: list[str], shared: list[str], run: Path, steps: int, last_budget: int,
+                schedule: str, unit: str = "steps") -> dict:
+    """Continue ``family``'s one run to budget ``steps`` (global steps, or seconds of training time); return its
+    result.json and the step it resumed from."""
+    start = last_step(run)
+    if unit != "seconds" and start > steps:
+        raise UserError(f"{run}: already at step {start} > {steps}; use a new run_dir for a shorter curve")
+    budget = budget_overrides(unit, schedule, steps, last_budget)
+    label = f"{steps} s of training" if unit == "seconds" else f"step {steps}"
     cmd = [sys.executable, "-m", "train", *shared, *overrides, *budget, f"name=curve-{family}", f"hydra.run.dir={run}",
            "ckpt_path=last"]
-    print(f"\n== {family}: step {start} → {steps}: {' '.join(cmd[2:])}", flush=True)
+    print(f"\n== {family}: step {start} → {label}: {' '.join(cmd[2:])}", flush=True)
     t = time.time()
     rc = subprocess.run(cmd).returncode
     if rc != 0:
-        raise UserError(f"training {family} to step {steps} failed (exit {rc}); rerun `python -m eval.curve` to resume")
+        raise UserError(f"training {family} to {label} failed (exit {rc}); rerun `python -m eval.curve` to resume")
     result = json.loads((run / "result.json").read_text())
     print(f"== {family} at step {result['global_step']} after {time.time() - t:.0f} s", flush=True)
     return {"result": result, "resumed_from_step": start}
 
 
-def taus(results: dict, drafter: str) -> dict[str, dict[str, float]]:
-    """{temperature label: {set: τ}} of one drafter in an ``eval.run.evaluate`` result."""
+def taus(results: dict, drafter: str, key: str = "tau") -> dict[str, dict[str, float]]:
+    """{temperature label: {set: τ}} of one drafter in an ``eval.run.evaluate`` result (``key="speedup"``: its
+    speed-up over plain decoding measured in the same run)."""
     out: dict[str, dict[str, float]] = {}
     for set_name, by_t in results.items():
         for t_label, row in by_t.items():
-            if drafter in row:
-                out.setdefault(t_label, {})[set_name] = float(row[drafter]["tau"])
+            if drafter in row and key in row[drafter]:
+                out.setdefault(t_label, {})[set_name] = float(row[drafter][key])
     return out
 
 
@@ -137,7 +157,8 @@ def correlations(points: list[dict]) -> dict[str, Any]:
     return out
 
 
-def plot(points: list[dict], references: dict, path: Path) -> None:
+def plot(points: list[dict], references: dict, path: Path, x: str = "train_tokens") -> None:
+    """τ against ``x`` (a point's ``train_tokens`` or ``train_time_s``), one line per family and temperature."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,18 +168,19 @@ def plot(points: list[dict], references: dict, path: Path) -> None:
     labels = sorted({t for p in points for t in p["tau_mean"]})
     styles = ["-o", "-s", "-^", "-d"]
     for fam in dict.fromkeys(p["family"] for p in points):
-        ps = sorted((p for p in points if p["family"] == fam), key=lambda p: p["train_tokens"])
+        ps = sorted((p for p in points if p["family"] == fam), key=lambda p: p[x] or 0)
         for i, t in enumerate(labels):
-            xs = [p["train_tokens"] for p in ps if t in p["tau_mean"]]
+            xs = [p[x] for p in ps if t in p["tau_mean"]]
             ax.plot(xs, [p["tau_mean"][t] for p in ps if t in p["tau_mean"]], styles[i % len(styles)], label=f"{fam} {t}")
     for j, (name, by_t) in enumerate(references.items()):
         for i, t in enumerate(labels):
             if t in by_t:
                 ax.axhline(by_t[t], linestyle="--" if i == 0 else ":", color=f"C{(j + 5) % 10}", linewidth=1,
                            label=f"{name} {t}")
-    ax.set_xlabel("training tokens")
+    what = "training time (s)" if x == "train_time_s" else "training tokens"
+    ax.set_xlabel(what)
     ax.set_ylabel("τ (tokens per verification, mean over sets)")
-    ax.set_title("Learning curves: decoder τ against training tokens")
+    ax.set_title(f"Learning curves: decoder τ against {what}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -182,32 +204,35 @@ def run(cfg: DictConfig) -> dict:
     args = (temps, cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed)
     refs_path = run_dir / "references.json"
     if refs_path.exists():
-        references = json.loads(refs_path.read_text())
+        refs = json.loads(refs_path.read_text())
     else:  # plain decoding and the baselines, once, on the same prompts
         base = {name: build_drafter(node, target) for name, node in (cfg.baselines or {}).items() if node is not None}
         res = evaluate(target, tok, base, sets, *args)
-        references = {name: {t: mean(v.values()) for t, v in taus(res, name).items()} for name in ["plain", *base]}
-        write_json(refs_path, references)
+        refs = {key: {name: {t: mean(v.values()) for t, v in taus(res, name, key).items()} for name in ["plain", *base]}
+                for key in ("tau", "speedup")}
+        write_json(refs_path, refs)
+    references = refs["tau"]
     protocol = protocol_of(cfg, tok, {**{n: None for n in references}, **families}, budgets=list(cfg.budgets),
                            unit=cfg.unit, steps=steps, schedule=cfg.schedule, train_overrides=list(cfg.train_overrides))
     points = []
     for fam, overrides in families.items():
         run = run_dir / fam
         for s in steps:
-            done = run / "points" / f"{s}.json"
+            done = run / "points" / (f"{s}s.json" if cfg.unit == "seconds" else f"{s}.json")
             if done.exists():
                 points.append(json.loads(done.read_text()))
                 continue
-            tr = train_point(fam, overrides, list(cfg.train_overrides), run, s, steps[-1], cfg.schedule)
+            tr = train_point(fam, overrides, list(cfg.train_overrides), run, s, steps[-1], cfg.schedule, cfg.unit)
             result = tr["result"]
             acc_len, accs = exported_acc_len(result)
             res = evaluate(target, tok, {fam: load_head(result["export"], target)}, sets, *args)
-            by_t = taus(res, fam)
-            point = {"family": fam, "budget": s if cfg.unit == "steps" else float(cfg.budgets[steps.index(s)]),
+            by_t, speed = taus(res, fam), taus(res, fam, "speedup")
+            point = {"family": fam, "budget": s if cfg.unit != "tokens" else float(cfg.budgets[steps.index(s)]),
                      "unit": cfg.unit, "steps": int(result["global_step"]), "resumed_from_step": tr["resumed_from_step"],
                      "train_tokens": int(result.get("train_tokens", 0)), "train_time_s": result.get("train_time_s"),
                      "val_acc_len": acc_len, "val_acc": accs, "tau": by_t,
-                     "tau_mean": {t: mean(v.values()) for t, v in by_t.items()},
+                     "tau_mean": {t: mean(v.values()) for t, v in by_t.items()}, "speedup": speed,
+                     "speedup_mean": {t: mean(v.values()) for t, v in speed.items()},
                      "acceptance_per_position": {f"{sn} {t}": row[fam]["acceptance_per_position"]
                                                  for sn, r in res.items() for t, row in r.items() if fam in row}}
             write_json(done, point)
@@ -215,9 +240,10 @@ def run(cfg: DictConfig) -> dict:
             print(f"== {fam} @ {point['steps']} steps / {point['train_tokens']} tokens: val acc_len "
                   f"{acc_len if acc_len is None else round(acc_len, 3)}, τ {point['tau_mean']}", flush=True)
     corr = correlations(points)
-    out = {"protocol": protocol, "references": references, "points": points, "correlation": corr}
+    out = {"protocol": protocol, "references": references, "references_speedup": refs.get("speedup", {}),
+           "points": points, "correlation": corr}
     write_json(run_dir / "curve.json", out)
-    plot(points, references, run_dir / "curve.png")
+    plot(points, references, run_dir / "curve.png", x="train_time_s" if cfg.unit == "seconds" else "train_tokens")
     for t, c in corr.items():
         r = c["pearson"]
         print(f"Pearson(val acc_len, τ) {t}: {'n/a' if r is None else f'{r:.3f}'} over {c['n']} points")

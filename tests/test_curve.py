@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, train_overrides
 from data.errors import UserError
-from eval.curve import budget_steps, correlations, pearson
+from eval.curve import budget_overrides, budget_steps, correlations, pearson
 
 
 def test_budgets_and_correlation():
@@ -19,6 +19,12 @@ def test_budgets_and_correlation():
         budget_steps([4, 2], "steps", None)
     with pytest.raises(UserError, match="tokens_per_step"):
         budget_steps([100], "tokens", None)
+    assert budget_steps([900, 3600], "seconds", None) == [900, 3600]
+    assert budget_overrides("seconds", "fixed", 900, 3600) == ["time_budget_s=3600", "stop_at_s=900", "trainer.max_steps=10000000"]
+    assert budget_overrides("seconds", "raise", 900, 3600) == ["time_budget_s=900", "trainer.max_steps=10000000"]
+    assert budget_overrides("steps", "fixed", 50, 200) == ["trainer.max_steps=200", "stop_at_step=50"]
+    with pytest.raises(UserError, match="unit='hours'"):
+        budget_steps([1], "hours", None)
     assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and pearson([1, 2], [1, 2]) is None
     pts = [{"val_acc_len": a, "tau_mean": {"T=0": t}} for a, t in ((1.1, 1.2), (1.2, 1.5), (1.4, 1.6))]
     assert correlations(pts)["T=0"]["n"] == 3 and correlations(pts)["all"]["pearson"] > 0.8

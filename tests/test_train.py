@@ -177,6 +177,20 @@ def test_time_budget_stops_on_the_clock_and_schedules_by_it(tiny_target_dir, tin
         run(compose_train(over[:-1] + ["time_budget_s=-1"]))
 
 
+def test_stop_at_s_ends_the_process_early_and_a_resume_finishes_the_budget(tiny_target_dir, tiny_chats, tmp_path):
+    """stop_at_s: this process stops after that much training time (summed over resumes) while the schedule stays
+    time_budget_s'; ckpt_path=last continues to the full budget."""
+    from train.__main__ import run
+
+    over = train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run", steps=100000) + ["time_budget_s=5"]
+    first = run(compose_train(over + ["stop_at_s=2"]))
+    assert 2 <= first["train_time_s"] < 5
+    second = run(compose_train(over + ["ckpt_path=last"]))
+    assert second["global_step"] > first["global_step"] and 5 <= second["train_time_s"] < 60
+    with pytest.raises(UserError, match="stop_at_s=0"):
+        run(compose_train(over + ["stop_at_s=0"]))
+
+
 def run_cli(args, timeout=240, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, **kw)

@@ -133,6 +133,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         callbacks.append(StopAtStep(cfg.stop_at_step))
     if cfg.get("time_budget_s"):
         callbacks.append(TimeBudget(cfg.time_budget_s))
+    if cfg.get("stop_at_s") is not None:
+        if not isinstance(cfg.stop_at_s, (int, float)) or cfg.stop_at_s <= 0:
+            raise UserError(f"stop_at_s={cfg.stop_at_s}: seconds of training after which this process stops, a number > 0")
+        callbacks.append(TimeBudget(cfg.stop_at_s))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(run_dir))
     trainer.fit(module, dm, ckpt_path=ckpt)

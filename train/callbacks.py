@@ -61,7 +61,8 @@ class StopAtStep(L.Callback):
 
 class TimeBudget(L.Callback):
     """Stop once the run's training wall time (summed over resumes, ``DraftModule.train_time_s``) reaches
-    ``seconds`` (``python -m train time_budget_s=3600``); the learning-rate schedule runs on the same clock."""
+    ``seconds``: ``python -m train time_budget_s=3600`` (the learning-rate schedule runs on the same clock), or
+    ``stop_at_s=900`` (this process stops early, the schedule stays time_budget_s'; continue with ckpt_path=last)."""
 
     def __init__(self, seconds: float):
         self.seconds = float(seconds)
