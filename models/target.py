@@ -42,7 +42,7 @@ def default_tap_layers(num_layers: int, method: str = "eagle3", n_taps: int = 5)
 
     eagle3: ``[1, L//2 - 1, L - 4]`` (on shallow targets where these collide, the next layer up: L=6 →
     [1, 2, 3]). dflash: ``n_taps`` spread uniformly over layers 1..L-3
-    (Qwen3-8B, L=36 → [1, 9, 17, 25, 33]).
+    (Qwen3-8B, L=36 → [1, 9, 17, 25, 33]). last: the top layer ``[L - 1]`` (EAGLE-1's feature).
     """
     L = num_layers
     if method == "eagle3":
@@ -55,7 +55,9 @@ def default_tap_layers(num_layers: int, method: str = "eagle3", n_taps: int = 5)
         if n_taps == 1:
             return [lo]
         return sorted({round(lo + k * (hi - lo) / (n_taps - 1)) for k in range(n_taps)})
-    raise UserError(f"tap method {method!r}: use eagle3 or dflash")
+    if method == "last":
+        return [L - 1]
+    raise UserError(f"tap method {method!r}: use eagle3, dflash or last")
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:

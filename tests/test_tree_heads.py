@@ -72,7 +72,7 @@ def test_deep_tree_nodes_equal_the_training_forward(cfg_path, prompt_len):
     """Every level expanded with two parents at the deepest one (budget = the whole expansion): each node's
     children are the training forward's top tokens on the node's path; committing any path keeps it so."""
     target, head = _perturbed(cfg_path)
-    depth = min(4, head.num_steps)
+    depth = min(4, max(2, head.num_steps))  # a head trained on one step (EAGLE-1) still drafts deeper: test two levels
     spec = TreeSpec(budget=2 + (depth - 1) * 4, depth=depth, topk=2)
     g = torch.Generator().manual_seed(prompt_len)
     ids = torch.randint(0, 128, (prompt_len,), generator=g)

@@ -122,18 +122,30 @@ class Eagle3Head(DraftHead):
         cos, sin = self.rotary(positions)
         return self.midlayer.self_attn.qkv(x, cos, sin)
 
+    def fuse(self, feats: Any) -> torch.Tensor:
+        """The hidden input of step 0 from the target's features: ``fc`` over the taps, [B, T, n_taps, d] → [B, T, d]."""
+        return self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, T, Vd] of a step's pre-norm output h [B, T, d]."""
+        return self.lm_head(self.norm(h))
+
+    def step_loss(self, j: int, h: torch.Tensor, feats: Any, w: torch.Tensor) -> torch.Tensor:
+        """A loss of unroll step j beside the soft cross-entropy (none for EAGLE-3; EAGLE-1 regresses features)."""
+        return h.new_zeros(())
+
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual + MLP. Returns (pre-norm output [B, T, d] fed to the next step, draft logits [B, T, Vd])."""
         h = hidden + self.midlayer.self_attn.out(attn_out)
         h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
-        return h, self.lm_head(self.norm(h))
+        return h, self.logits_of(h)
 
-    def unroll(self, ids: torch.Tensor, valid: torch.Tensor, tap_states: torch.Tensor, steps: int):
-        """The training-time-test forward: yields step j's draft logits [B, T, Vd] for j < ``steps``; at step j
-        position t reads token ``ids[t+1+j]`` and predicts token t+2+j (what decoding's chain computes with
-        the drafts as the following tokens)."""
+    def unroll(self, ids: torch.Tensor, valid: torch.Tensor, feats: Any, steps: int):
+        """The training-time-test forward: yields step j's (draft logits [B, T, Vd], pre-norm output [B, T, d]) for
+        j < ``steps``; at step j position t reads token ``ids[t+1+j]`` and predicts token t+2+j (what decoding's
+        chain computes with the drafts as the following tokens)."""
         B, T = ids.shape
-        hidden = self.fc(tap_states.flatten(-2).to(self.fc.weight.dtype))  # [B, T, d]
+        hidden = self.fuse(feats)  # [B, T, d]
         base_pos = torch.arange(T, device=ids.device).expand(B, T)
         keys, values = [], []
         for j in range(steps):
@@ -141,13 +153,13 @@ class Eagle3Head(DraftHead):
             keys.append(k)
             values.append(v)
             hidden, logits = self.finish(hidden, ttt_attention(q, keys, values, key_valid=valid))
-            yield logits
+            yield logits, hidden
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
         """[steps, V] logits over the target vocabulary (−inf outside the draft vocabulary) of the training
         forward at position ``at`` (see :meth:`DraftHead.teacher_forced_logits`)."""
         out = torch.full((steps, self.t2d.numel()), float("-inf"), device=ids.device)
-        for j, logits in enumerate(self.unroll(ids, torch.ones_like(ids), feats.tap_states, steps)):
+        for j, (logits, _) in enumerate(self.unroll(ids, torch.ones_like(ids), feats, steps)):
             out[j, self.draft_ids()] = logits[0, at].float()
         return out
 
@@ -161,10 +173,11 @@ class Eagle3Head(DraftHead):
         loss = t_probs.new_zeros(())
         correct = torch.zeros(self.ttt_steps, device=ids.device)
         total = torch.zeros(self.ttt_steps, device=ids.device)
-        for j, logits in enumerate(self.unroll(ids, valid, feats.tap_states, self.ttt_steps)):
+        for j, (logits, h) in enumerate(self.unroll(ids, valid, feats, self.ttt_steps)):
             w = step_weights(loss_mask, in_vocab, valid, j)  # [B, T]
             p = shift_left(t_probs, 1 + j)  # [B, T, Vd]
-            loss = loss + (self.step_decay ** j) * soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
+            loss = loss + (self.step_decay ** j) * (soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
+                                                    + self.step_loss(j, h, feats, w))
             with torch.no_grad():
                 pred = logits.argmax(-1) + self.d2t[logits.argmax(-1)]  # target ids
                 hit = (pred == shift_left(t_top, 1 + j)).float() * (w > 0)
@@ -177,13 +190,13 @@ class Eagle3Head(DraftHead):
         """After prefill: the prompt's tap states become pending context (each still needs its next token)."""
         self._ctx_k = self._ctx_v = None  # step-0 keys/values of processed context [1, H, Tc, hd]
         self._pos = 0
-        self._pending_h = self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))  # [1, m, d]
+        self._pending_h = self.fuse(feats)  # [1, m, d]
         self._pending_next = prompt_ids.view(-1)[1:]  # next token of each pending position but the last
 
     @torch.no_grad()
     def commit(self, tokens: torch.Tensor, feats: Any) -> None:
         """Accepted tokens ``[x, d_1..d_n]`` and their target features become pending context."""
-        self._pending_h = self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))
+        self._pending_h = self.fuse(feats)
         self._pending_next = tokens.view(-1)[1:]
 
     @torch.no_grad()
