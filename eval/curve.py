@@ -234,7 +234,9 @@ def run(cfg: DictConfig) -> dict:
                      "tau_mean": {t: mean(v.values()) for t, v in by_t.items()}, "speedup": speed,
                      "speedup_mean": {t: mean(v.values()) for t, v in speed.items()},
                      "acceptance_per_position": {f"{sn} {t}": row[fam]["acceptance_per_position"]
-                                                 for sn, r in res.items() for t, row in r.items() if fam in row}}
+                                                 for sn, r in res.items() for t, row in r.items() if fam in row},
+                     "greedy": {f"{sn} {t}": {k: row[fam][k] for k in ("greedy_identical", "numerical_ties")}
+                                for sn, r in res.items() for t, row in r.items() if row.get(fam, {}).get("greedy_identical")}}
             write_json(done, point)
             points.append(point)
             print(f"== {fam} @ {point['steps']} steps / {point['train_tokens']} tokens: val acc_len "

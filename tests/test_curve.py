@@ -50,6 +50,7 @@ def test_curve_resumes_one_run_and_writes_json_and_plot(tiny_target_dir, tiny_ch
         assert p["family"] == "eagle3" and p["steps"] == steps and p["train_tokens"] > 0
         assert p["val_acc_len"] >= 1.0 and len(p["val_acc"]) == 2 and p["tau_mean"]["T=0"] >= 1.0
         assert set(p["tau"]["T=0"]) == {"prompts"} and p["acceptance_per_position"]
+        assert p["greedy"]["prompts T=0"]["greedy_identical"] == "2/2" and p["speedup_mean"]["T=0"] > 0
     # the second point continued the first run: it started at step 2, and its token count adds to the first's
     assert p1["resumed_from_step"] == 0 and p2["resumed_from_step"] == 2
     assert p2["train_tokens"] > p1["train_tokens"]
