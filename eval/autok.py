@@ -3,10 +3,13 @@
 Expected tokens of a round with draft length k: ``τ(k) = 1 + Σ_{i<=k} Π_{j<=i} a_j`` (a_j: the drafter's
 conditional acceptance at position j); its cost in units of one plain step: ``T(1+k)/T(1) + k·c`` (the target's
 verify curve, measured once by :func:`eval.planner.verify_costs`, and c, the drafter's measured seconds per
-drafted token over T(1)). Acceptance is learnt while decoding: a_j is the running ratio accepted/reached at
-position j with a Beta(1, 1) prior, so positions not yet tried look promising until tried (exploration), and
-positions that keep failing are dropped. k never goes below 1, so acceptance keeps being measured; choosing k
-does not change the output (the decoder stays lossless for any k).
+drafted token over T(1)). Acceptance is learnt while decoding: position j's accepted/reached counts give a
+Beta(1 + accepted, 1 + rejected) posterior, and each round k is chosen for a_j *drawn* from those posteriors
+(Thompson sampling), not for their means. With the means alone, a position that failed a few early tries looks
+bad, k stops reaching it, and its estimate is never corrected (a head whose position-2 acceptance was 0.8 could
+stay at k=1 for a whole run); drawing keeps trying a position in proportion to the chance that it pays, and
+settles on the best k as the counts grow. k never goes below 1, so acceptance keeps being measured; choosing k
+does not change the output (the decoder stays lossless for any k). Draws come from a seeded generator.
 
 With a tree (a drafter entry with both ``tree:`` and ``k: auto``) k is the tree's depth: the budget, top-k and
 min_prob stay as configured and each round grows a tree at most k levels deep. a_j is then the chance that the
@@ -16,6 +19,7 @@ draft's seconds per level (one draft forward of the level's nodes) over T(1).
 """
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,9 +29,10 @@ if TYPE_CHECKING:
 class AutoK:
     """One per (drafter, temperature); pass it as ``k`` to :meth:`eval.decoder.SpeculativeDecoder.generate`."""
 
-    def __init__(self, verify_ratio: list[float], t1: float, max_k: int | None = None, tree: "TreeSpec | None" = None):
+    def __init__(self, verify_ratio: list[float], t1: float, max_k: int | None = None, tree: "TreeSpec | None" = None,
+                 explore: bool = True, seed: int = 0):
         """``verify_ratio[d]`` = T(1+d)/T(1) for d = 0..; ``t1`` = T(1) in seconds; ``max_k`` caps k (default: the
-        curve; with ``tree`` its depth)."""
+        curve; with ``tree`` its depth); ``explore=False`` chooses for the posterior means (no exploration)."""
         if not verify_ratio or verify_ratio[0] <= 0:
             raise ValueError("verify_ratio must start with T(1)/T(1) = 1")
         self.ratio = list(verify_ratio)
@@ -41,9 +46,17 @@ class AutoK:
         self.draft_s = 0.0
         self.drafted = 0
         self.chosen: list[int] = []
+        self.rng = random.Random(seed) if explore else None
 
     def acceptance(self) -> list[float]:
+        """Posterior mean acceptance per position."""
         return [(a + 1) / (r + 2) for a, r in zip(self.accepted, self.reached)]
+
+    def drawn_acceptance(self) -> list[float]:
+        """One draw per position from its Beta posterior (the means when not exploring)."""
+        if self.rng is None:
+            return self.acceptance()
+        return [self.rng.betavariate(a + 1, r - a + 1) for a, r in zip(self.accepted, self.reached)]
 
     def draft_cost(self) -> float:
         """Seconds per drafted token over T(1) (0 until measured)."""
@@ -65,20 +78,22 @@ class AutoK:
         hi = min(lo + 1, len(self.ratio) - 1)
         return self.ratio[lo] + (n - lo) * (self.ratio[hi] - self.ratio[lo])
 
-    def value(self, k: int) -> float:
-        """Expected tokens per unit of plain-step time at draft length (tree: depth) k."""
+    def value(self, k: int, acceptance: list[float] | None = None) -> float:
+        """Expected tokens per unit of plain-step time at draft length (tree: depth) k, for ``acceptance`` per
+        position (default: the posterior means)."""
         tau, run = 1.0, 1.0
-        for a in self.acceptance()[:k]:
+        for a in (self.acceptance() if acceptance is None else acceptance)[:k]:
             run *= a
             tau += run
         return tau / (self.verify_ratio(self.nodes(k)) + k * self.draft_cost())
 
     def choose(self, limit: int) -> int:
-        """The best k in 1..min(max_k, limit) (0 when limit < 1)."""
+        """The best k in 1..min(max_k, limit) for one posterior draw of the acceptance (0 when limit < 1)."""
         top = min(self.max_k, limit)
         if top < 1:
             return 0
-        k = max(range(1, top + 1), key=lambda k: (self.value(k), -k))
+        acc = self.drawn_acceptance()
+        k = max(range(1, top + 1), key=lambda k: (self.value(k, acc), -k))
         self.chosen.append(k)
         return k
 

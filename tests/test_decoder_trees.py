@@ -241,6 +241,37 @@ def test_auto_k_is_lossless_and_follows_acceptance(target):
         assert (common >= 4) if long else (auto.chosen[-10:] == [1] * 10), auto.chosen
 
 
+@pytest.mark.parametrize("explore", [True, False])
+def test_auto_k_recovers_from_unlucky_early_rounds(explore):
+    """A drafter whose every position is accepted with probability 0.8, after three early rounds in which position
+    2 was rejected: choosing for the posterior means stays at k=1 (position 2 is never reached again, so its
+    estimate is never corrected); Thompson draws keep trying it and settle on the best k for the true rates."""
+    import random
+
+    from eval.autok import AutoK
+
+    ratio = [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6]  # T(1+d)/T(1), a CPU-like verify curve
+    true = AutoK(ratio, t1=1.0, explore=False)
+    true.reached, true.accepted = [10**6] * true.max_k, [8 * 10**5] * true.max_k  # the true rates, known exactly
+    true.draft_s, true.drafted = 0.1, 1  # 0.1 T(1) per drafted token
+    best = max(range(1, true.max_k + 1), key=true.value)
+    assert best == 4  # by hand: (1 + .8 + .64 + .512 + .41) / (1.2 + 4 x 0.1) = 2.10, above k = 3 (2.04) and k = 5 (2.05)
+    auto = AutoK(ratio, t1=1.0, explore=explore)
+    for _ in range(3):
+        auto.update(reached=2, accepted=1, draft_s=0.2, drafted=2)
+    rng = random.Random(1)
+    for _ in range(600):
+        k = auto.choose(limit=8)
+        n = next((i for i in range(k) if rng.random() >= 0.8), k)  # drafts accepted before the first rejection
+        auto.update(reached=k, accepted=n, draft_s=0.1 * k, drafted=k)
+    late = auto.chosen[-200:]
+    common = max(set(late), key=late.count)
+    if explore:
+        assert common == best and late.count(best) > 100, late
+    else:
+        assert late == [1] * 200  # the trap the draws avoid
+
+
 def test_auto_depth_trees_are_lossless_and_follow_acceptance(target):
     """k=auto with a tree: k is the tree's depth, chosen every round against the verify cost at the node count
     measured for that depth (before any round: what the budget and top-k allow); greedy output stays identical."""
