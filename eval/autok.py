@@ -1,9 +1,11 @@
 """``k=auto``: the draft length that maximises expected tokens per second, chosen every round.
 
 Expected tokens of a round with draft length k: ``τ(k) = 1 + Σ_{i<=k} Π_{j<=i} a_j`` (a_j: the drafter's
-conditional acceptance at position j); its cost in units of one plain step: ``T(1+k)/T(1) + k·c`` (the target's
-verify curve, measured once by :func:`eval.planner.verify_costs`, and c, the drafter's measured seconds per
-drafted token over T(1)). Acceptance is learnt while decoding: position j's accepted/reached counts give a
+conditional acceptance at position j); its cost in units of one plain step: ``T(1+k)/T(1) + (c0 + k·c)`` (the
+target's verify curve, measured once by :func:`eval.planner.verify_costs`, and the drafter's measured seconds
+per round over T(1), fitted as c0 + k·c by least squares over the rounds so far: a fixed part, such as the
+``commit`` forward after each verify or a block drafter's one forward for the whole block, and a part per
+drafted token; until two lengths were tried, all of it per token). Acceptance is learnt while decoding: position j's accepted/reached counts give a
 Beta(1 + accepted, 1 + rejected) posterior, and each round k is chosen for a_j *drawn* from those posteriors
 (Thompson sampling), not for their means. With the means alone, a position that failed a few early tries looks
 bad, k stops reaching it, and its estimate is never corrected (a head whose position-2 acceptance was 0.8 could
@@ -45,6 +47,7 @@ class AutoK:
         self.accepted = [0] * self.max_k
         self.draft_s = 0.0
         self.drafted = 0
+        self.fit = [0.0] * 5  # over rounds: n, Σk, Σk², Σs, Σk·s (k: drafted tokens or levels, s: draft seconds)
         self.chosen: list[int] = []
         self.rng = random.Random(seed) if explore else None
 
@@ -61,6 +64,21 @@ class AutoK:
     def draft_cost(self) -> float:
         """Seconds per drafted token over T(1) (0 until measured)."""
         return self.draft_s / self.drafted / self.t1 if self.drafted else 0.0
+
+    def round_cost(self, k: int) -> float:
+        """Draft seconds of a round that drafts k tokens (tree: levels) over T(1): c0 + k·c fitted by least
+        squares, both parts kept >= 0; before two lengths were tried, k·(seconds per drafted token)."""
+        n, sx, sxx, sy, sxy = self.fit
+        var = n * sxx - sx * sx
+        if n < 2 or var <= 1e-9 * max(n * sxx, 1.0):
+            return k * self.draft_cost()
+        c = (n * sxy - sx * sy) / var
+        c0 = (sy - c * sx) / n
+        if c0 < 0:  # through the origin
+            c0, c = 0.0, sxy / sxx
+        elif c < 0:  # no part per token
+            c0, c = sy / n, 0.0
+        return (c0 + k * c) / self.t1
 
     def nodes(self, k: int) -> float:
         """Drafted tokens verified in a round of length (tree: depth) k: measured, or before that k for a chain and
@@ -85,7 +103,7 @@ class AutoK:
         for a in (self.acceptance() if acceptance is None else acceptance)[:k]:
             run *= a
             tau += run
-        return tau / (self.verify_ratio(self.nodes(k)) + k * self.draft_cost())
+        return tau / (self.verify_ratio(self.nodes(k)) + self.round_cost(k))
 
     def choose(self, limit: int) -> int:
         """The best k in 1..min(max_k, limit) for one posterior draw of the acceptance (0 when limit < 1)."""
@@ -111,3 +129,5 @@ class AutoK:
             self.accepted[i] += int(i < accepted)
         self.draft_s += draft_s
         self.drafted += drafted
+        for i, v in enumerate((1.0, drafted, drafted * drafted, draft_s, drafted * draft_s)):
+            self.fit[i] += v

@@ -272,6 +272,27 @@ def test_auto_k_recovers_from_unlucky_early_rounds(explore):
         assert late == [1] * 200  # the trap the draws avoid
 
 
+def test_auto_k_fits_a_fixed_and_a_per_token_draft_cost():
+    """k=auto's draft cost per round is c0 + k·c fitted over the rounds (a block drafter's one forward, or the
+    commit after each verify, is paid once a round whatever k): with one length tried it is all per token; with
+    several the fit recovers both parts, and the choice follows the affine cost, not the per-token average."""
+    from eval.autok import AutoK
+
+    ratio = [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6]
+    auto = AutoK(ratio, t1=0.01)
+    for _ in range(5):
+        auto.update(reached=2, accepted=1, draft_s=0.004 + 2 * 0.0001, drafted=2)  # 0.4 T(1) a round + 0.01 T(1) a token
+    assert auto.round_cost(6) == pytest.approx(6 * 0.21)  # one length seen: proportional, as before
+    for k in (1, 4, 8, 3):
+        auto.update(reached=k, accepted=0, draft_s=0.004 + k * 0.0001, drafted=k)
+    assert [auto.round_cost(k) for k in (1, 6)] == pytest.approx([0.41, 0.46])
+    auto.reached, auto.accepted = [10**6] * 8, [9 * 10**5] * 8  # acceptance 0.9 at every position, known exactly
+    assert max(range(1, 9), key=auto.value) == 8  # 6.13 / (1.6 + 0.48) = 2.95; the per-token average (0.148 T(1)) says k = 5
+    flat = AutoK(ratio, t1=0.01, explore=False)
+    flat.reached, flat.accepted, flat.draft_s, flat.drafted = auto.reached, auto.accepted, auto.draft_s, auto.drafted
+    assert max(range(1, 9), key=flat.value) < 8
+
+
 def test_auto_depth_trees_are_lossless_and_follow_acceptance(target):
     """k=auto with a tree: k is the tree's depth, chosen every round against the verify cost at the node count
     measured for that depth (before any round: what the budget and top-k allow); greedy output stays identical."""
