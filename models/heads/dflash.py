@@ -9,7 +9,8 @@
 - Training: per sequence up to ``num_anchors`` random anchors a with ``loss_mask[a]`` and ``loss_mask[a+1]``
   set, packed into one pass; a block sees context rows strictly before its anchor and its own block,
   never another block (:func:`block_mask`). Slot k (1..B−1) is labelled with token a+k, the anchor slot is
-  not trained; CE weighted ``exp(−(k−1)/γ)``.
+  not trained; CE weighted ``exp(−(k−1)/γ)``, on the data token or (``soft``) against the target's distribution
+  for it, which on data the target did not write (original ShareGPT answers) is what decoding will meet.
 - Decoding: the context K/V of committed tokens is cached per layer and extended after each round; one
   forward per round proposes up to B−1 tokens (the decoder then verifies them like any draft), or a tree at most
   B−1 deep whose nodes at depth d all take their children from slot d+1 (the block does not see the drafts).
@@ -96,9 +97,10 @@ class DFlashHead(DraftHead):
 
     def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 64,
                  gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, soft: bool = False):
         super().__init__(target, block_size=block_size, num_layers=num_layers, num_anchors=num_anchors, gamma=gamma,
-                         mask_token_id=mask_token_id, rms_eps=rms_eps, qk_norm=qk_norm)
+                         mask_token_id=mask_token_id, rms_eps=rms_eps, qk_norm=qk_norm, soft=soft)
+        self.soft = bool(soft)
         tc = target.config
         if block_size < 2:
             raise UserError(f"draft.block_size={block_size}: must be >= 2 (the anchor and at least one drafted token)")
@@ -182,11 +184,17 @@ class DFlashHead(DraftHead):
         anchors, ok = self.sample_anchors(loss_mask, valid)  # [B, N]
         pos, labels, w = block_targets(ids, loss_mask, valid, anchors, ok, self.block_size, self.gamma)  # [B, N, blk]
         logits = self.lm_head(self.block_hidden(ids, anchors, ok, feats.tap_states))  # [B, N, blk, V]
-        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(w)
+        before = (pos.clamp(max=T - 1) - 1).clamp(min=0).flatten(1)  # [B, N·blk]: the position that predicts each slot's token
+        if self.soft:  # against the target's distribution for token a+k (its logits at a+k−1), not the data token
+            V = logits.shape[-1]
+            p = torch.softmax(feats.logits.gather(1, before[..., None].expand(-1, -1, V)).float(), -1).view_as(logits)
+            ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [B, N, blk]
+        else:
+            ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(w)
         loss = (ce * w).sum() / (w > 0).float().sum().clamp_min(1.0)
         with torch.no_grad():
             t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position
-            want = t_top.gather(1, (pos.clamp(max=T - 1) - 1).clamp(min=0).flatten(1)).view_as(labels)
+            want = t_top.gather(1, before).view_as(labels)
             scored = (w > 0)[:, :, 1:]
             hit = (logits.argmax(-1) == want)[:, :, 1:] & scored
             correct, total = hit.sum((0, 1)).float(), scored.sum((0, 1)).float()
