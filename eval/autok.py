@@ -5,8 +5,8 @@ conditional acceptance at position j); its cost in units of one plain step: ``T(
 target's verify curve, measured once by :func:`eval.planner.verify_costs`, and the drafter's measured seconds
 per round over T(1), fitted as c0 + k·c by least squares over the rounds so far: a fixed part, such as the
 ``commit`` forward after each verify or a block drafter's one forward for the whole block, and a part per
-drafted token; until two lengths were tried, all of it per token). Acceptance is learnt while decoding: position j's accepted/reached counts give a
-Beta(1 + accepted, 1 + rejected) posterior, and each round k is chosen for a_j *drawn* from those posteriors
+drafted token; until two lengths were tried, all of it per token). Acceptance is learnt while decoding:
+position j's accepted/reached counts give a Beta(1 + accepted, 1 + rejected) posterior, and each round k is chosen for a_j *drawn* from those posteriors
 (Thompson sampling), not for their means. With the means alone, a position that failed a few early tries looks
 bad, k stops reaching it, and its estimate is never corrected (a head whose position-2 acceptance was 0.8 could
 stay at k=1 for a whole run); drawing keeps trying a position in proportion to the chance that it pays, and
