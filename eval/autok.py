@@ -45,8 +45,6 @@ class AutoK:
         self.nodes_seen: dict[int, list[float]] = {}  # k -> [sum of verified nodes, rounds]
         self.reached = [0] * self.max_k
         self.accepted = [0] * self.max_k
-        self.draft_s = 0.0
-        self.drafted = 0
         self.fit = [0.0] * 5  # over rounds: n, Σk, Σk², Σs, Σk·s (k: drafted tokens or levels, s: draft seconds)
         self.chosen: list[int] = []
         self.rng = random.Random(seed) if explore else None
@@ -63,7 +61,8 @@ class AutoK:
 
     def draft_cost(self) -> float:
         """Seconds per drafted token over T(1) (0 until measured)."""
-        return self.draft_s / self.drafted / self.t1 if self.drafted else 0.0
+        drafted, draft_s = self.fit[1], self.fit[3]
+        return draft_s / drafted / self.t1 if drafted else 0.0
 
     def round_cost(self, k: int) -> float:
         """Draft seconds of a round that drafts k tokens (tree: levels) over T(1): c0 + k·c fitted by least
@@ -127,7 +126,5 @@ class AutoK:
                 break
             self.reached[i] += 1
             self.accepted[i] += int(i < accepted)
-        self.draft_s += draft_s
-        self.drafted += drafted
         for i, v in enumerate((1.0, drafted, drafted * drafted, draft_s, drafted * draft_s)):
             self.fit[i] += v

@@ -185,11 +185,14 @@ def shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
+def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """−Σ_v p log q per row: logits, target_probs [..., V] → [...]."""
+    return -(target_probs.float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Σ weight · (−Σ_v p log q) / Σ weight.  logits, target_probs [N, V]; weight [N]."""
-    logq = torch.log_softmax(logits.float(), dim=-1)
-    per = -(target_probs.float() * logq).sum(-1)
-    return (per * weight).sum() / weight.sum().clamp_min(1.0)
+    return (soft_ce(logits, target_probs) * weight).sum() / weight.sum().clamp_min(1.0)
 
 
 def lookahead_loss(logits: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,

@@ -253,7 +253,7 @@ def test_auto_k_recovers_from_unlucky_early_rounds(explore):
     ratio = [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6]  # T(1+d)/T(1), a CPU-like verify curve
     true = AutoK(ratio, t1=1.0, explore=False)
     true.reached, true.accepted = [10**6] * true.max_k, [8 * 10**5] * true.max_k  # the true rates, known exactly
-    true.draft_s, true.drafted = 0.1, 1  # 0.1 T(1) per drafted token
+    true.update(reached=0, accepted=0, draft_s=0.1, drafted=1)  # 0.1 T(1) per drafted token
     best = max(range(1, true.max_k + 1), key=true.value)
     assert best == 4  # by hand: (1 + .8 + .64 + .512 + .41) / (1.2 + 4 x 0.1) = 2.10, above k = 3 (2.04) and k = 5 (2.05)
     auto = AutoK(ratio, t1=1.0, explore=explore)
@@ -289,7 +289,8 @@ def test_auto_k_fits_a_fixed_and_a_per_token_draft_cost():
     auto.reached, auto.accepted = [10**6] * 8, [9 * 10**5] * 8  # acceptance 0.9 at every position, known exactly
     assert max(range(1, 9), key=auto.value) == 8  # 6.13 / (1.6 + 0.48) = 2.95; the per-token average (0.148 T(1)) says k = 5
     flat = AutoK(ratio, t1=0.01, explore=False)
-    flat.reached, flat.accepted, flat.draft_s, flat.drafted = auto.reached, auto.accepted, auto.draft_s, auto.drafted
+    flat.update(reached=0, accepted=0, draft_s=auto.fit[3], drafted=int(auto.fit[1]))  # the same totals as one round: per token
+    flat.reached, flat.accepted = auto.reached, auto.accepted
     assert max(range(1, 9), key=flat.value) < 8
 
 

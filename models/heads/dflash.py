@@ -30,7 +30,8 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw
 from models.heads.trees import TreeSpec, grow_tree, node_depths
-from models.layers import MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, frozen_linear
+from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, frozen_linear,
+                           soft_ce)
 from models.target import rope_theta
 
 
@@ -188,7 +189,7 @@ class DFlashHead(DraftHead):
         if self.soft:  # against the target's distribution for token a+k (its logits at a+k−1), not the data token
             V = logits.shape[-1]
             p = torch.softmax(feats.logits.gather(1, before[..., None].expand(-1, -1, V)).float(), -1).view_as(logits)
-            ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [B, N, blk]
+            ce = soft_ce(logits, p)  # [B, N, blk]
         else:
             ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(w)
         loss = (ce * w).sum() / (w > 0).float().sum().clamp_min(1.0)
