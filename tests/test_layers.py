@@ -1,10 +1,12 @@
-"""Shared blocks: the TTT mask and its fast attention, RMSNorm/rotary against Hugging Face, expected acceptance length."""
+"""Shared blocks: the TTT mask and its fast attention, RMSNorm/rotary against Hugging Face, expected acceptance length,
+the soft and look-ahead losses against their definitions."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from models.layers import RMSNorm, Rotary, apply_rotary, causal_mask, expected_acceptance_length, ttt_attention, ttt_mask
+from models.layers import (RMSNorm, Rotary, apply_rotary, causal_mask, expected_acceptance_length, lookahead_loss, soft_ce,
+                           ttt_attention, ttt_mask)
 
 
 def test_ttt_mask_pattern():
@@ -51,3 +53,40 @@ def test_expected_acceptance_length():
     assert expected_acceptance_length([]) == 1.0
     assert abs(expected_acceptance_length([0.5, 0.5]) - 1.75) < 1e-9
     assert expected_acceptance_length([1.0] * 7) == 8.0
+
+
+def test_soft_ce_is_the_cross_entropy_against_a_distribution():
+    g = torch.Generator().manual_seed(0)
+    z, p = torch.randn(5, 7, 11, generator=g) * 3, torch.softmax(torch.randn(5, 7, 11, generator=g) * 3, -1)
+    torch.testing.assert_close(soft_ce(z, p), -(p * torch.log_softmax(z, -1)).sum(-1))
+    z.requires_grad_(True)
+    soft_ce(z, p).sum().backward()
+    torch.testing.assert_close(z.grad, torch.softmax(z.detach(), -1) - p)  # d/dz of −Σ p log softmax(z)
+
+
+def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
+    """Against the definition, position by position: hard CE on ids[t+1+ahead], soft CE against the teacher's
+    distribution at t+ahead, weighted by the loss mask of the predicted token; agreement with the teacher's top-1 there."""
+    g = torch.Generator().manual_seed(1)
+    B, T, V, ahead = 2, 9, 13, 2
+    logits, teacher = torch.randn(B, T, V, generator=g) * 2, torch.randn(B, T, V, generator=g) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    loss_mask = (torch.rand(B, T, generator=g) > 0.3).long()
+    valid = torch.ones(B, T, dtype=torch.long)
+    valid[1, 7:] = 0
+    top, probs = teacher.argmax(-1), torch.softmax(teacher, -1)
+    hard_sum, soft_sum, wsum, hits, n = 0.0, 0.0, 0.0, 0, 0
+    for b in range(B):
+        for t in range(T - 1 - ahead):
+            w = float(loss_mask[b, t + 1 + ahead] * valid[b, t + 1 + ahead])
+            hard_sum += w * float(F.cross_entropy(logits[b, t], ids[b, t + 1 + ahead]))
+            soft_sum += w * float(-(probs[b, t + ahead] * torch.log_softmax(logits[b, t], -1)).sum())
+            wsum += w
+            hits += int(w > 0 and int(logits[b, t].argmax()) == int(top[b, t + ahead]))
+            n += int(w > 0)
+    hard = lookahead_loss(logits, ids, loss_mask, valid, teacher, top, ahead, False)
+    soft = lookahead_loss(logits, ids, loss_mask, valid, teacher, top, ahead, True)
+    assert abs(float(hard[0]) - hard_sum / wsum) < 1e-5 and abs(float(soft[0]) - soft_sum / wsum) < 1e-5
+    assert float(hard[1]) == float(soft[1]) == hits and float(hard[2]) == n
+    sure = 80.0 * F.one_hot(torch.cat([ids[:, 1:], ids[:, :1]], 1), V).float()  # a teacher certain of the data's next token
+    assert torch.allclose(lookahead_loss(logits, ids, loss_mask, valid, sure, top, ahead, True)[0], hard[0], atol=1e-5)
