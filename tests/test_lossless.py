@@ -60,8 +60,9 @@ def test_bf16_divergences_are_all_numerical_ties(bf16_target):
         assert len(st.top) == len(plain)
         spec, _ = run(bf16_target, p, Replay(plain))
         kinds.append(classify(plain, spec, st.top, torch.bfloat16).kind)
-    assert "tie" in kinds, kinds                      # bf16 block verification does flip near-tied argmaxes here
     assert "defect" not in kinds, kinds
+    if "tie" not in kinds:  # e.g. CPUs with AVX-512 BF16, whose block and one-token kernels round alike
+        pytest.skip("this CPU's bf16 block and one-token forwards agreed on every argmax: no tie to classify")
 
 
 def test_fp32_is_identical():
