@@ -185,9 +185,31 @@ def shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
+class _SoftCE(torch.autograd.Function):
+    """−Σ_v p log softmax(z) per row, gradient softmax(z) − p: autograd's log-softmax, product, sum and their
+    backward buffers are each as large as the logits, and on a CPU every such pass costs about as much as the loss's
+    useful work, so this keeps two (the log-softmax, fused; the row dot product as one batched product) and one
+    backward pass."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # z, p [N, V] fp32 → [N]
+        log_q = torch.log_softmax(z, -1)  # [N, V]
+        ctx.save_for_backward(log_q, p)
+        return -(p.unsqueeze(1) @ log_q.unsqueeze(2)).view(-1)  # [N] row dot products as one batched product
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        log_q, p = ctx.saved_tensors
+        grad_z = torch.exp(log_q).sub_(p).mul_(g[:, None])  # (softmax(z) − p) · g
+        grad_p = -log_q * g[:, None] if ctx.needs_input_grad[1] else None
+        return grad_z, grad_p
+
+
 def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """−Σ_v p log q per row: logits, target_probs [..., V] → [...]."""
-    return -(target_probs.float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    """−Σ_v p log q per row, q = softmax(logits): logits, target_probs [..., V] → [...]."""
+    V = logits.shape[-1]
+    out = _SoftCE.apply(logits.float().reshape(-1, V), target_probs.float().reshape(-1, V))
+    return out.view(logits.shape[:-1])
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -195,23 +217,29 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, weight:
     return (soft_ce(logits, target_probs) * weight).sum() / weight.sum().clamp_min(1.0)
 
 
-def lookahead_loss(logits: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
-                   teacher_logits: torch.Tensor, teacher_top: torch.Tensor, ahead: int, soft: bool
+def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
+                   teacher_top: torch.Tensor, ahead: int, teacher_probs: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss of logits [B, T, V] that predict token t+1+ahead at position t (Medusa head k, MTP depth k+1:
-    ahead = k+1), weighted by that token's loss mask; hard CE on the data token or, with ``soft``, soft CE
-    against the target's distribution for it (its logits at t+ahead). Also the top-1 agreement with the
-    target's own guess there (``teacher_top`` [B, T]). Returns (loss, correct, total)."""
-    w = (shift_left(loss_mask, 1 + ahead) * shift_left(valid, 1 + ahead)).float()  # [B, T]
-    if soft:
-        p = torch.softmax(shift_left(teacher_logits, ahead).float(), -1)
-        loss = soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
+    """Loss of the logits ``project(hidden)`` that predict token t+1+ahead at position t (Medusa head k, MTP
+    depth k+1: ahead = k+1), weighted by that token's loss mask: hard CE on the data token or, given the target's
+    distributions ``teacher_probs`` [B, T, V], soft CE against its distribution for that token (at t+ahead). Also
+    the top-1 agreement with the target's own guess there (``teacher_top`` [B, T]). Returns (loss, correct, total).
+
+    hidden [B, T, d]; ``project`` maps [N, d] → [N, V]. Only the scored positions (weight > 0, about 60% of a
+    padded chat batch) are projected, so the vocabulary product, the loss and their backward skip the rest."""
+    n = 1 + ahead
+    w = loss_mask[:, n:].float() * valid[:, n:].float()  # [B, T-n] weight of the token predicted at t
+    b, t = w.nonzero(as_tuple=True)  # the N scored positions
+    z = project(hidden[b, t]).float()  # [N, V]
+    if teacher_probs is not None:
+        loss = soft_ce(z, teacher_probs[b, t + ahead])  # [N]
     else:
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), shift_left(ids, 1 + ahead).flatten(), reduction="none")
-        loss = (ce * w.flatten()).sum() / w.sum().clamp_min(1.0)
+        loss = F.cross_entropy(z, ids[b, t + n], reduction="none")  # [N]
+    wn = w[b, t]
+    loss = (loss * wn).sum() / wn.sum().clamp_min(1.0)
     with torch.no_grad():
-        hit = (logits.argmax(-1) == shift_left(teacher_top, ahead)) & (w > 0)
-    return loss, hit.sum().float(), (w > 0).sum().float()
+        hit = z.argmax(-1) == teacher_top[b, t + ahead]
+    return loss, hit.sum().float(), z.new_tensor(float(b.numel()))
 
 
 def expected_acceptance_length(acc: list[float] | torch.Tensor) -> float:

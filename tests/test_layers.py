@@ -58,10 +58,14 @@ def test_expected_acceptance_length():
 def test_soft_ce_is_the_cross_entropy_against_a_distribution():
     g = torch.Generator().manual_seed(0)
     z, p = torch.randn(5, 7, 11, generator=g) * 3, torch.softmax(torch.randn(5, 7, 11, generator=g) * 3, -1)
+    w = torch.rand(5, 7, generator=g)  # a weight per row, so each row's gradient is scaled differently
     torch.testing.assert_close(soft_ce(z, p), -(p * torch.log_softmax(z, -1)).sum(-1))
-    z.requires_grad_(True)
-    soft_ce(z, p).sum().backward()
-    torch.testing.assert_close(z.grad, torch.softmax(z.detach(), -1) - p)  # d/dz of −Σ p log softmax(z)
+    z1, p1, z2, p2 = (x.clone().requires_grad_(True) for x in (z, p, z, p))
+    (soft_ce(z1, p1) * w).sum().backward()
+    (-(p2 * torch.log_softmax(z2, -1)).sum(-1) * w).sum().backward()  # autograd of the definition
+    torch.testing.assert_close(z1.grad, (torch.softmax(z, -1) - p) * w[..., None])  # d/dz of −Σ p log softmax(z)
+    torch.testing.assert_close(z1.grad, z2.grad)
+    torch.testing.assert_close(p1.grad, p2.grad)
 
 
 def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
@@ -84,9 +88,9 @@ def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
             wsum += w
             hits += int(w > 0 and int(logits[b, t].argmax()) == int(top[b, t + ahead]))
             n += int(w > 0)
-    hard = lookahead_loss(logits, ids, loss_mask, valid, teacher, top, ahead, False)
-    soft = lookahead_loss(logits, ids, loss_mask, valid, teacher, top, ahead, True)
+    hard = lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead)
+    soft = lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead, probs)
     assert abs(float(hard[0]) - hard_sum / wsum) < 1e-5 and abs(float(soft[0]) - soft_sum / wsum) < 1e-5
     assert float(hard[1]) == float(soft[1]) == hits and float(hard[2]) == n
     sure = 80.0 * F.one_hot(torch.cat([ids[:, 1:], ids[:, :1]], 1), V).float()  # a teacher certain of the data's next token
-    assert torch.allclose(lookahead_loss(logits, ids, loss_mask, valid, sure, top, ahead, True)[0], hard[0], atol=1e-5)
+    assert torch.allclose(lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead, torch.softmax(sure, -1))[0], hard[0], atol=1e-5)

@@ -205,14 +205,12 @@ def _mtp_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
 
 # -- how speculators' forward is checked against ours (python -m eval.check_export) ------------------------------
 @torch.no_grad()
-def _step_logits(head: Any, target: Any, b: dict, anchors: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Every training-time-test step's / depth's ``lm_head`` output, stacked [K, 1, T', V]."""
-    feats = target(b["input_ids"], return_logits=True)
-    steps = []
-    hook = head.lm_head.register_forward_hook(lambda m, i, o: steps.append(o.detach()))
-    head.training_loss(b, feats)
-    hook.remove()
-    return {"logits": torch.stack(steps)}
+def _eagle3_logits(head: Any, target: Any, b: dict, anchors: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Every training-time-test step's draft logits, stacked [K, 1, T, Vd]."""
+    ids = b["input_ids"]
+    feats = target(ids, return_logits=True)
+    valid = b.get("attention_mask", torch.ones_like(ids))
+    return {"logits": torch.stack([head.logits_of(h) for h in head.unroll(ids, valid, feats, head.ttt_steps)])}
 
 
 @torch.no_grad()
@@ -229,10 +227,14 @@ def _block_logits(head: Any, target: Any, b: dict, anchors: torch.Tensor | None)
     return {"logits": logits.flatten(1, 2), "confidence": conf.flatten(1)}
 
 
+@torch.no_grad()
 def _mtp_logits(head: Any, target: Any, b: dict, anchors: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Every depth's logits at the positions whose inputs all lie inside the sequence, as speculators gives them."""
-    out = _step_logits(head, target, b, anchors)
-    return {"logits": out["logits"][:, :, : b["input_ids"].shape[1] - head.num_steps - 1]}
+    """Every depth's logits [K, 1, T', V] at the positions whose inputs all lie inside the sequence, as speculators
+    gives them."""
+    ids = b["input_ids"]
+    feats = target(ids, return_logits=True)
+    logits = torch.stack(list(head.depth_logits(ids, feats.last_state, head.num_steps)))
+    return {"logits": logits[:, :, : ids.shape[1] - head.num_steps - 1]}
 
 
 def _eagle3_inputs(head: Any, ids: torch.Tensor, anchors: torch.Tensor | None) -> dict:
@@ -276,7 +278,7 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "eagle3": Family("Eagle3DraftModel", _eagle3_export, _eagle3_import, _step_logits, _eagle3_inputs, _eagle3_meta),
+    "eagle3": Family("Eagle3DraftModel", _eagle3_export, _eagle3_import, _eagle3_logits, _eagle3_inputs, _eagle3_meta),
     "dflash": Family("DFlashDraftModel", _dflash_export, _dflash_import, _block_logits, _block_inputs, _block_meta, True),
     "dspark": Family("DSparkDraftModel", _dspark_export, _dspark_import, _block_logits, _block_inputs, _block_meta, True),
     "mtp": Family("MTPDraftModel", _mtp_export, _mtp_import, _mtp_logits, lambda head, ids, anchors: {}, _mtp_meta),

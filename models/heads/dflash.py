@@ -184,21 +184,23 @@ class DFlashHead(DraftHead):
         T = ids.shape[1]
         anchors, ok = self.sample_anchors(loss_mask, valid)  # [B, N]
         pos, labels, w = block_targets(ids, loss_mask, valid, anchors, ok, self.block_size, self.gamma)  # [B, N, blk]
-        logits = self.lm_head(self.block_hidden(ids, anchors, ok, feats.tap_states))  # [B, N, blk, V]
-        before = (pos.clamp(max=T - 1) - 1).clamp(min=0).flatten(1)  # [B, N·blk]: the position that predicts each slot's token
+        h = self.block_hidden(ids, anchors, ok, feats.tap_states)  # [B, N, blk, d]
+        before = (pos.clamp(max=T - 1) - 1).clamp(min=0)  # [B, N, blk]: the position that predicts each slot's token
+        rows = (w > 0).nonzero(as_tuple=True)  # the M scored slots: only they are projected onto the vocabulary
+        z = self.lm_head(h[rows]).float()  # [M, V]
+        b, at = rows[0], before[rows]  # [M] each
         if self.soft:  # against the target's distribution for token a+k (its logits at a+k−1), not the data token
-            V = logits.shape[-1]
-            p = torch.softmax(feats.logits.gather(1, before[..., None].expand(-1, -1, V)).float(), -1).view_as(logits)
-            ce = soft_ce(logits, p)  # [B, N, blk]
+            ce = soft_ce(z, torch.softmax(feats.logits[b, at].float(), -1))  # [M]
         else:
-            ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(w)
-        loss = (ce * w).sum() / (w > 0).float().sum().clamp_min(1.0)
+            ce = F.cross_entropy(z, labels[rows], reduction="none")  # [M]
+        loss = (ce * w[rows]).sum() / float(max(b.numel(), 1))
         with torch.no_grad():
             t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position
-            want = t_top.gather(1, before).view_as(labels)
-            scored = (w > 0)[:, :, 1:]
-            hit = (logits.argmax(-1) == want)[:, :, 1:] & scored
-            correct, total = hit.sum((0, 1)).float(), scored.sum((0, 1)).float()
+            slot = rows[2]  # [M]; slot 0 (the anchor) is never scored
+            blk = w.shape[-1]
+            hit = (z.argmax(-1) == t_top[b, at]).long()
+            correct = torch.bincount(slot, weights=hit.float(), minlength=blk)[1:].float()
+            total = torch.bincount(slot, minlength=blk)[1:].float()
         return HeadOutput(loss=loss, correct=correct, total=total)
 
     # -- inference ------------------------------------------------------------------------------

@@ -134,16 +134,20 @@ class Eagle3Head(DraftHead):
         """A loss of unroll step j beside the soft cross-entropy (none for EAGLE-3; EAGLE-1 regresses features)."""
         return h.new_zeros(())
 
-    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual + MLP. Returns (pre-norm output [B, T, d] fed to the next step, draft logits [B, T, Vd])."""
+    def residual(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual + MLP: the pre-norm output [B, T, d] fed to the next step."""
         h = hidden + self.midlayer.self_attn.out(attn_out)
-        h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm output [B, T, d], draft logits [B, T, Vd])."""
+        h = self.residual(hidden, attn_out)
         return h, self.logits_of(h)
 
     def unroll(self, ids: torch.Tensor, valid: torch.Tensor, feats: Any, steps: int):
-        """The training-time-test forward: yields step j's (draft logits [B, T, Vd], pre-norm output [B, T, d]) for
-        j < ``steps``; at step j position t reads token ``ids[t+1+j]`` and predicts token t+2+j (what decoding's
-        chain computes with the drafts as the following tokens)."""
+        """The training-time-test forward: yields step j's pre-norm output [B, T, d] for j < ``steps`` (its draft
+        logits are ``logits_of`` of it); at step j position t reads token ``ids[t+1+j]`` and predicts token t+2+j
+        (what decoding's chain computes with the drafts as the following tokens)."""
         B, T = ids.shape
         hidden = self.fuse(feats)  # [B, T, d]
         base_pos = torch.arange(T, device=ids.device).expand(B, T)
@@ -152,15 +156,15 @@ class Eagle3Head(DraftHead):
             q, k, v = self.step(hidden, shift_left(ids, 1 + j), base_pos + j)
             keys.append(k)
             values.append(v)
-            hidden, logits = self.finish(hidden, ttt_attention(q, keys, values, key_valid=valid))
-            yield logits, hidden
+            hidden = self.residual(hidden, ttt_attention(q, keys, values, key_valid=valid))
+            yield hidden
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
         """[steps, V] logits over the target vocabulary (−inf outside the draft vocabulary) of the training
         forward at position ``at`` (see :meth:`DraftHead.teacher_forced_logits`)."""
         out = torch.full((steps, self.t2d.numel()), float("-inf"), device=ids.device)
-        for j, (logits, _) in enumerate(self.unroll(ids, torch.ones_like(ids), feats, steps)):
-            out[j, self.draft_ids()] = logits[0, at].float()
+        for j, h in enumerate(self.unroll(ids, torch.ones_like(ids), feats, steps)):
+            out[j, self.draft_ids()] = self.logits_of(h[0, at]).float()
         return out
 
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
@@ -173,15 +177,15 @@ class Eagle3Head(DraftHead):
         loss = t_probs.new_zeros(())
         correct = torch.zeros(self.ttt_steps, device=ids.device)
         total = torch.zeros(self.ttt_steps, device=ids.device)
-        for j, (logits, h) in enumerate(self.unroll(ids, valid, feats, self.ttt_steps)):
+        for j, h in enumerate(self.unroll(ids, valid, feats, self.ttt_steps)):
             w = step_weights(loss_mask, in_vocab, valid, j)  # [B, T]
-            p = shift_left(t_probs, 1 + j)  # [B, T, Vd]
-            loss = loss + (self.step_decay ** j) * (soft_cross_entropy(logits.flatten(0, 1), p.flatten(0, 1), w.flatten())
+            b, t = w.nonzero(as_tuple=True)  # the N scored positions: only they are projected onto the vocabulary
+            logits = self.logits_of(h[b, t])  # [N, Vd]
+            loss = loss + (self.step_decay ** j) * (soft_cross_entropy(logits, t_probs[b, t + 1 + j], w[b, t])
                                                     + self.step_loss(j, h, feats, w))
             with torch.no_grad():
-                pred = logits.argmax(-1) + self.d2t[logits.argmax(-1)]  # target ids
-                hit = (pred == shift_left(t_top, 1 + j)).float() * (w > 0)
-                correct[j], total[j] = hit.sum(), (w > 0).sum()
+                top = logits.argmax(-1)
+                correct[j], total[j] = (top + self.d2t[top] == t_top[b, t + 1 + j]).sum(), b.numel()  # target ids
         return HeadOutput(loss=loss, correct=correct, total=total)
 
     # -- inference (the decoder's Drafter protocol) ----------------------------------------------

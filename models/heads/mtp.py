@@ -211,15 +211,20 @@ class MTPHead(DraftHead):
             return self.logits(depth, h)
         return to_target(self.draft_head(self.module(depth).head_input(h)), self.d2t, self.lm_head.out_features)
 
-    def depth_logits(self, ids: torch.Tensor, last_state: torch.Tensor, steps: int):
-        """The teacher-forced training forward: yields depth j+1's logits [B, T, V] for j < ``steps``
-        (position t reads token t+1+j, predicts t+2+j)."""
+    def depth_states(self, ids: torch.Tensor, last_state: torch.Tensor, steps: int):
+        """The teacher-forced training forward: yields depth j+1's output states [B, T, d] for j < ``steps``
+        (position t reads token t+1+j, predicts t+2+j through ``logits(j + 1, ·)``)."""
         B, T = ids.shape
         cos, sin = self.rotary(torch.arange(T, device=ids.device).expand(B, T))
         h = last_state.to(self.eh_dtype)  # [B, T, d] depth 0
         for j in range(steps):
             h, _, _ = self.module(j + 1)(h, self.embed_tokens(shift_left(ids, 1 + j)), cos, sin)  # [B, T, d]
-            yield self.logits(j + 1, h)  # [B, T, V]
+            yield h
+
+    def depth_logits(self, ids: torch.Tensor, last_state: torch.Tensor, steps: int):
+        """Depth j+1's teacher-forced logits [B, T, V] for j < ``steps``."""
+        for j, h in enumerate(self.depth_states(ids, last_state, steps)):
+            yield self.logits(j + 1, h)
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
         out = torch.stack([lg[0, at] for lg in self.depth_logits(ids, feats.last_state, steps)]).float()  # [steps, V]
@@ -231,10 +236,12 @@ class MTPHead(DraftHead):
         B, T = ids.shape
         K = self.num_steps
         t_top = feats.logits.argmax(-1)  # [B, T] the target's next-token guess at each position
+        t_probs = torch.softmax(feats.logits.float(), -1) if self.soft else None  # [B, T, V] once for every depth
         loss = feats.last_state.new_zeros((), dtype=self.eh_dtype)
         correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
-        for j, logits in enumerate(self.depth_logits(ids, feats.last_state, K)):
-            lj, correct[j], total[j] = lookahead_loss(logits, ids, loss_mask, valid, feats.logits, t_top, 1 + j, self.soft)
+        for j, h in enumerate(self.depth_states(ids, feats.last_state, K)):
+            lj, correct[j], total[j] = lookahead_loss(h, lambda x, d=j + 1: self.logits(d, x), ids, loss_mask, valid,
+                                                      t_top, 1 + j, t_probs)
             loss = loss + self.loss_weights[j] * lj
         return HeadOutput(loss=loss, correct=correct, total=total)
 
