@@ -185,30 +185,56 @@ def shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-class _SoftCE(torch.autograd.Function):
-    """−Σ_v p log softmax(z) per row, gradient softmax(z) − p: autograd's log-softmax, product, sum and their
-    backward buffers are each as large as the logits, and on a CPU every such pass costs about as much as the loss's
-    useful work, so this keeps two (the log-softmax, fused; the row dot product as one batched product) and one
-    backward pass."""
+class _RowCE(torch.autograd.Function):
+    """Cross-entropy of each row of logits z [N, V] against a data token or a distribution, −Σ_v p log softmax(z),
+    with its gradient softmax(z) − p computed in the forward pass, a few rows at a time. On a CPU each full-size
+    temporary of autograd's version (log-softmax, the target's softmax, products, their backward buffers) costs a
+    pass through memory and fresh pages; chunks of about 1 MB stay in cache and only the gradient is full size."""
+
+    CHUNK_BYTES = 1 << 20
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # z, p [N, V] fp32 → [N]
-        log_q = torch.log_softmax(z, -1)  # [N, V]
-        ctx.save_for_backward(log_q, p)
-        return -(p.unsqueeze(1) @ log_q.unsqueeze(2)).view(-1)  # [N] row dot products as one batched product
+    def forward(ctx, z: torch.Tensor, labels: torch.Tensor | None, teacher: torch.Tensor | None,
+                rows: torch.Tensor | None, teacher_is_probs: bool) -> torch.Tensor:
+        N, V = z.shape
+        loss, grad = z.new_empty(N), torch.empty_like(z)
+        c = max(1, _RowCE.CHUNK_BYTES // (4 * V))
+        for s in range(0, N, c):
+            e = min(N, s + c)
+            log_q = torch.log_softmax(z[s:e], -1)  # [c, V]
+            g = torch.exp(log_q, out=grad[s:e])  # softmax(z)
+            if labels is not None:
+                lab = labels[s:e, None]
+                loss[s:e] = -log_q.gather(1, lab)[:, 0]
+                g.scatter_add_(1, lab, torch.full_like(lab, -1.0, dtype=g.dtype))  # − one-hot
+            else:
+                t = teacher[s:e] if rows is None else teacher[rows[s:e]]
+                p = t.float() if teacher_is_probs else torch.softmax(t.float(), -1)  # [c, V]
+                loss[s:e] = -torch.linalg.vecdot(p, log_q)  # (a batched product is slow for rows this small)
+                g.sub_(p)
+        ctx.save_for_backward(grad)
+        return loss
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        log_q, p = ctx.saved_tensors
-        grad_z = torch.exp(log_q).sub_(p).mul_(g[:, None])  # (softmax(z) − p) · g
-        grad_p = -log_q * g[:, None] if ctx.needs_input_grad[1] else None
-        return grad_z, grad_p
+    def backward(ctx, g: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(g[:, None]), None, None, None, None  # the buffer is this call's own and used once
+
+
+def row_ce(z: torch.Tensor, labels: torch.Tensor | None = None, teacher: torch.Tensor | None = None,
+           rows: torch.Tensor | None = None, teacher_is_probs: bool = False) -> torch.Tensor:
+    """Per-row cross-entropy [N] of logits z [N, V] (differentiable in z only): against the data tokens ``labels``
+    [N], or against the target's distribution for each row, ``teacher`` [R, V] (logits, or probabilities with
+    ``teacher_is_probs``) at row ``rows`` [N] of it (default: row n for row n)."""
+    if (labels is None) == (teacher is None):
+        raise ValueError("row_ce: give labels or teacher, not both")
+    return _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs)
 
 
 def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     """−Σ_v p log q per row, q = softmax(logits): logits, target_probs [..., V] → [...]."""
     V = logits.shape[-1]
-    out = _SoftCE.apply(logits.float().reshape(-1, V), target_probs.float().reshape(-1, V))
+    out = row_ce(logits.reshape(-1, V), teacher=target_probs.reshape(-1, V), teacher_is_probs=True)
     return out.view(logits.shape[:-1])
 
 
@@ -218,28 +244,29 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, weight:
 
 
 def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
-                   teacher_top: torch.Tensor, ahead: int, teacher_probs: torch.Tensor | None = None
+                   teacher_top: torch.Tensor, ahead: int, teacher_logits: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss of the logits ``project(hidden)`` that predict token t+1+ahead at position t (Medusa head k, MTP
     depth k+1: ahead = k+1), weighted by that token's loss mask: hard CE on the data token or, given the target's
-    distributions ``teacher_probs`` [B, T, V], soft CE against its distribution for that token (at t+ahead). Also
-    the top-1 agreement with the target's own guess there (``teacher_top`` [B, T]). Returns (loss, correct, total).
+    logits [B, T, V], soft CE against its distribution for that token (at t+ahead). Also the top-1 agreement with
+    the target's own guess there (``teacher_top`` [B, T]). Returns (loss, correct, total).
 
     hidden [B, T, d]; ``project`` maps [N, d] → [N, V]. Only the scored positions (weight > 0, about 60% of a
     padded chat batch) are projected, so the vocabulary product, the loss and their backward skip the rest."""
     n = 1 + ahead
+    B, T = ids.shape
     w = loss_mask[:, n:].float() * valid[:, n:].float()  # [B, T-n] weight of the token predicted at t
     b, t = w.nonzero(as_tuple=True)  # the N scored positions
-    z = project(hidden[b, t]).float()  # [N, V]
-    if teacher_probs is not None:
-        loss = soft_ce(z, teacher_probs[b, t + ahead])  # [N]
+    z = project(hidden[b, t])  # [N, V]
+    if teacher_logits is not None:
+        loss = row_ce(z, teacher=teacher_logits.view(B * T, -1), rows=b * T + t + ahead)  # [N]
     else:
-        loss = F.cross_entropy(z, ids[b, t + n], reduction="none")  # [N]
+        loss = row_ce(z, labels=ids[b, t + n])  # [N]
     wn = w[b, t]
     loss = (loss * wn).sum() / wn.sum().clamp_min(1.0)
     with torch.no_grad():
         hit = z.argmax(-1) == teacher_top[b, t + ahead]
-    return loss, hit.sum().float(), z.new_tensor(float(b.numel()))
+    return loss, hit.sum().float(), wn.new_tensor(float(b.numel()))
 
 
 def expected_acceptance_length(acc: list[float] | torch.Tensor) -> float:

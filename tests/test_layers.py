@@ -2,10 +2,11 @@
 the soft and look-ahead losses against their definitions."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import (RMSNorm, Rotary, apply_rotary, causal_mask, expected_acceptance_length, lookahead_loss, soft_ce,
+from models.layers import (_RowCE, RMSNorm, Rotary, apply_rotary, causal_mask, expected_acceptance_length, lookahead_loss, row_ce, soft_ce,
                            ttt_attention, ttt_mask)
 
 
@@ -60,12 +61,28 @@ def test_soft_ce_is_the_cross_entropy_against_a_distribution():
     z, p = torch.randn(5, 7, 11, generator=g) * 3, torch.softmax(torch.randn(5, 7, 11, generator=g) * 3, -1)
     w = torch.rand(5, 7, generator=g)  # a weight per row, so each row's gradient is scaled differently
     torch.testing.assert_close(soft_ce(z, p), -(p * torch.log_softmax(z, -1)).sum(-1))
-    z1, p1, z2, p2 = (x.clone().requires_grad_(True) for x in (z, p, z, p))
-    (soft_ce(z1, p1) * w).sum().backward()
-    (-(p2 * torch.log_softmax(z2, -1)).sum(-1) * w).sum().backward()  # autograd of the definition
+    z1, z2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    (soft_ce(z1, p) * w).sum().backward()
+    (-(p * torch.log_softmax(z2, -1)).sum(-1) * w).sum().backward()  # autograd of the definition
     torch.testing.assert_close(z1.grad, (torch.softmax(z, -1) - p) * w[..., None])  # d/dz of −Σ p log softmax(z)
     torch.testing.assert_close(z1.grad, z2.grad)
-    torch.testing.assert_close(p1.grad, p2.grad)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4 * 11 * 3, 1 << 20])  # several chunks of 3 rows, and one chunk
+def test_row_ce_equals_cross_entropy_against_tokens_and_against_the_targets_rows(monkeypatch, chunk_bytes):
+    monkeypatch.setattr(_RowCE, "CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(2)
+    z, teacher = torch.randn(10, 11, generator=g) * 3, torch.randn(6, 11, generator=g) * 3
+    labels, rows, w = torch.randint(0, 11, (10,), generator=g), torch.randint(0, 6, (10,), generator=g), torch.rand(10, generator=g)
+    p = torch.softmax(teacher[rows], -1)
+    for ours, ref in ((lambda x: row_ce(x, labels=labels), lambda x: F.cross_entropy(x, labels, reduction="none")),
+                      (lambda x: row_ce(x, teacher=teacher, rows=rows), lambda x: -(p * torch.log_softmax(x, -1)).sum(-1)),
+                      (lambda x: row_ce(x, teacher=p, teacher_is_probs=True), lambda x: -(p * torch.log_softmax(x, -1)).sum(-1))):
+        z1, z2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        torch.testing.assert_close(ours(z1), ref(z2))
+        (ours(z1) * w).sum().backward()
+        (ref(z2) * w).sum().backward()
+        torch.testing.assert_close(z1.grad, z2.grad)
 
 
 def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
@@ -89,8 +106,8 @@ def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
             hits += int(w > 0 and int(logits[b, t].argmax()) == int(top[b, t + ahead]))
             n += int(w > 0)
     hard = lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead)
-    soft = lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead, probs)
+    soft = lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead, teacher)
     assert abs(float(hard[0]) - hard_sum / wsum) < 1e-5 and abs(float(soft[0]) - soft_sum / wsum) < 1e-5
     assert float(hard[1]) == float(soft[1]) == hits and float(hard[2]) == n
     sure = 80.0 * F.one_hot(torch.cat([ids[:, 1:], ids[:, :1]], 1), V).float()  # a teacher certain of the data's next token
-    assert torch.allclose(lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead, torch.softmax(sure, -1))[0], hard[0], atol=1e-5)
+    assert torch.allclose(lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead, sure)[0], hard[0], atol=1e-5)

@@ -31,7 +31,7 @@ from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw
 from models.heads.trees import TreeSpec, grow_tree, node_depths
 from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, frozen_linear,
-                           soft_ce)
+                           row_ce)
 from models.target import rope_theta
 
 
@@ -190,9 +190,9 @@ class DFlashHead(DraftHead):
         z = self.lm_head(h[rows]).float()  # [M, V]
         b, at = rows[0], before[rows]  # [M] each
         if self.soft:  # against the target's distribution for token a+k (its logits at a+k−1), not the data token
-            ce = soft_ce(z, torch.softmax(feats.logits[b, at].float(), -1))  # [M]
+            ce = row_ce(z, teacher=feats.logits.flatten(0, 1), rows=b * T + at)  # [M]
         else:
-            ce = F.cross_entropy(z, labels[rows], reduction="none")  # [M]
+            ce = row_ce(z, labels=labels[rows])  # [M]
         loss = (ce * w[rows]).sum() / float(max(b.numel(), 1))
         with torch.no_grad():
             t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position

@@ -70,14 +70,13 @@ class MedusaHead(DraftHead):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
         t_top = feats.logits.argmax(-1)  # [B, T]
-        t_probs = torch.softmax(feats.logits.float(), -1) if self.soft else None  # [B, T, V] once for every head
         K = self.num_steps
         loss = feats.last_state.new_zeros(())
         correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
         h = feats.last_state.to(self.heads[0].weight.dtype)  # [B, T, d]
         for k, (block, head) in enumerate(zip(self.blocks, self.heads)):
             lk, correct[k], total[k] = lookahead_loss(h, lambda x, b=block, o=head: o(b(x)), ids, loss_mask, valid,
-                                                      t_top, 1 + k, t_probs)
+                                                      t_top, 1 + k, feats.logits if self.soft else None)
             loss = loss + self.step_decay ** k * lk  # head k learns token t+2+k
         return HeadOutput(loss=loss, correct=correct, total=total)
 

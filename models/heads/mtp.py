@@ -236,12 +236,11 @@ class MTPHead(DraftHead):
         B, T = ids.shape
         K = self.num_steps
         t_top = feats.logits.argmax(-1)  # [B, T] the target's next-token guess at each position
-        t_probs = torch.softmax(feats.logits.float(), -1) if self.soft else None  # [B, T, V] once for every depth
         loss = feats.last_state.new_zeros((), dtype=self.eh_dtype)
         correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
         for j, h in enumerate(self.depth_states(ids, feats.last_state, K)):
             lj, correct[j], total[j] = lookahead_loss(h, lambda x, d=j + 1: self.logits(d, x), ids, loss_mask, valid,
-                                                      t_top, 1 + j, t_probs)
+                                                      t_top, 1 + j, feats.logits if self.soft else None)
             loss = loss + self.loss_weights[j] * lj
         return HeadOutput(loss=loss, correct=correct, total=total)
 
