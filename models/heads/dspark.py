@@ -27,6 +27,7 @@ from models.heads.base import HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.dflash import DFlashHead, block_targets
 from models.heads.trees import TreeSpec, grow_tree, node_depths
+from models.layers import row_ce
 
 
 class DSparkHead(DFlashHead):
@@ -77,22 +78,24 @@ class DSparkHead(DFlashHead):
         posc = pos.clamp(max=T - 1).flatten(1)  # slot k (position a+k) predicts token a+k+1
         prev = ids.gather(1, posc).view_as(labels)  # x_{k-1}: the anchor, then the teacher-forced tokens
         h = self.block_hidden(ids, anchors, ok, feats.tap_states)  # [B, N, blk, d]
-        logits, conf = self.slot_outputs(h, prev)  # [B, N, blk, V], [B, N, blk]
-        p_t = torch.softmax(feats.logits.float().gather(1, posc[..., None].expand(-1, -1, feats.logits.shape[-1])), -1)
-        p_t = p_t.view_as(logits)  # the target's distribution of token pos+1
+        rows = (w > 0).nonzero(as_tuple=True)  # the M scored slots: only they are projected onto the vocabulary
+        logits, conf = self.slot_outputs(h[rows], prev[rows])  # [M, V], [M]
+        b = rows[0]
+        p_t = torch.softmax(feats.logits[b, posc.view_as(labels)[rows]].float(), -1)  # [M, V] the target's for token pos+1
         p_d = torch.softmax(logits.float(), -1)
-        tv = 0.5 * (p_d - p_t).abs().sum(-1)  # [B, N, blk]
-        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none").view_as(w)
+        tv = 0.5 * (p_d - p_t).abs().sum(-1)  # [M]
+        ce = row_ce(logits, labels=labels[rows])  # [M]
         conf_loss = F.binary_cross_entropy_with_logits(conf.float(), (1 - tv).detach().clamp(0, 1), reduction="none")
-        a, b, c = self.loss_weights
-        per = a * ce + b * tv + c * conf_loss
-        n = (w > 0).float().sum().clamp_min(1.0)
-        loss = (per * w).sum() / n
+        a, c_tv, c_conf = self.loss_weights
+        per = a * ce + c_tv * tv + c_conf * conf_loss
+        n = float(max(b.numel(), 1))
+        loss = (per * w[rows]).sum() / n
         with torch.no_grad():
-            scored = w > 0
-            hit = (logits.argmax(-1) == p_t.argmax(-1)) & scored
-            correct, total = hit.sum((0, 1)).float(), scored.sum((0, 1)).float()
-            metrics = {"tv": (tv * scored).sum() / n, "confidence": (torch.sigmoid(conf) * scored).sum() / n}
+            slot, blk = rows[2], w.shape[-1]
+            hit = (logits.argmax(-1) == p_t.argmax(-1)).float()
+            correct = torch.bincount(slot, weights=hit, minlength=blk).float()
+            total = torch.bincount(slot, minlength=blk).float()
+            metrics = {"tv": tv.sum() / n, "confidence": torch.sigmoid(conf).sum() / n}
         return HeadOutput(loss=loss, correct=correct, total=total, metrics=metrics)
 
     @torch.no_grad()
