@@ -29,25 +29,31 @@ def available() -> bool:
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` sharing ``weight``/``bias`` with the layer it replaces, plus a oneDNN-packed copy of the
-    weight that fp32 CPU inputs without autograd go through (packed again after the weight changed in place)."""
+    weight that fp32 CPU inputs without autograd go through (packed again after the weight changed in place).
+    ``dtype=torch.bfloat16`` packs a bf16 copy: half the bytes a product reads, inputs cast to bf16 and outputs
+    back to fp32 (for a draft's decoding, where the verifier keeps the output exact whatever the draft computes)."""
 
-    def __init__(self, lin: nn.Linear):
+    def __init__(self, lin: nn.Linear, dtype: torch.dtype = torch.float32):
         super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
         self.weight, self.bias = lin.weight, lin.bias  # the same Parameters (tied weights stay tied)
+        self.__dict__["_dtype"] = dtype
         self._pack()
 
     def _pack(self) -> None:
-        self.__dict__["_version"] = self.weight._version
-        self.__dict__["_packed"] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.__dict__["_version"] = self._versions()
+        self.__dict__["_packed"] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().to(self._dtype), None)
+        self.__dict__["_bias"] = None if self.bias is None else self.bias.detach().to(self._dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.numel() == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu"
                 or torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             return F.linear(x, self.weight, self.bias)
-        if self.weight._version != self._version:  # an optimiser step or load_state_dict since packing
+        if self._versions() != self._version:  # an optimiser step or load_state_dict since packing
             self._pack()
-        b = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, b, "none", [], "")
+        return _product(x, self._packed, self._bias, self._dtype)
+
+    def _versions(self) -> tuple[int, int]:
+        return self.weight._version, -1 if self.bias is None else self.bias._version
 
 
 class FusedLinears:
@@ -59,8 +65,8 @@ class FusedLinears:
     :meth:`__call__` returns None (the caller uses the separate layers) under autograd and for inputs that are not
     fp32 on a CPU."""
 
-    def __init__(self, *lins: nn.Linear):
-        self.lins, self.sizes = lins, [lin.out_features for lin in lins]
+    def __init__(self, *lins: nn.Linear, dtype: torch.dtype = torch.float32):
+        self.lins, self.sizes, self.dtype = lins, [lin.out_features for lin in lins], dtype
         self._pack()
 
     def _versions(self) -> list[int]:
@@ -68,10 +74,12 @@ class FusedLinears:
 
     def _pack(self) -> None:
         self.versions = self._versions()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([lin.weight.detach() for lin in self.lins]), None)
+        w = torch.cat([lin.weight.detach() for lin in self.lins]).to(self.dtype)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         biases = [lin.bias for lin in self.lins]
         self.bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, self.lins)])
+            [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, self.lins)]
+        ).to(self.dtype)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """x [..., d_in] → one output [..., out_i] per layer, or None where the fused product must not be used."""
@@ -79,7 +87,14 @@ class FusedLinears:
             return None
         if self._versions() != self.versions:
             self._pack()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "").split(self.sizes, -1)
+        return _product(x, self.packed, self.bias, self.dtype).split(self.sizes, -1)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 x [..., d_in] times a packed weight of ``dtype`` → fp32 [..., d_out]."""
+    if dtype == torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, bias, "none", [], "").float()
 
 
 def fused(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -88,22 +103,28 @@ def fused(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None
     return f(x) if f is not None else None
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every plain fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; returns how many.
-    Modules that name the linears reading one input (``fused_linears``: q/k/v, gate/up) also get a
-    :class:`FusedLinears` of them. A no-op (0) where oneDNN is missing or the check of one layer disagrees with
-    ``F.linear``."""
+def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Replace every plain fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear` (weights packed in
+    ``dtype``: fp32, or bf16 for a draft's decoding); returns how many. Modules that name the linears reading one
+    input (``fused_linears``: q/k/v, gate/up) also get a :class:`FusedLinears` of them. A no-op (0) where oneDNN is
+    missing or the check of one layer disagrees with ``F.linear`` (bf16: within its rounding)."""
     if not available():
         return 0
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                packed = PackedLinear(child)
+                packed = PackedLinear(child, dtype)
                 if done == 0:  # one check that the op works here and agrees with MKL
                     x = torch.randn(3, child.in_features, generator=torch.Generator().manual_seed(0))
                     with torch.no_grad():
-                        if not torch.allclose(packed(x), F.linear(x, child.weight, child.bias), rtol=1e-4, atol=1e-4):
+                        ref = F.linear(x, child.weight, child.bias)
+                        try:
+                            ok = torch.allclose(packed(x), ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1)))
+                        except RuntimeError:  # no kernel for this dtype on this build
+                            ok = False
+                        if not ok:
                             return 0
                 setattr(parent, name, packed)
                 done += 1
@@ -111,5 +132,5 @@ def pack_linears(model: nn.Module) -> int:
         names = getattr(m, "fused_linears", ())
         lins = [getattr(m, n) for n in names]
         if done and lins and all(lin.weight.dtype == torch.float32 and lin.weight.device.type == "cpu" for lin in lins):
-            m.__dict__["_fused"] = FusedLinears(*lins)
+            m.__dict__["_fused"] = FusedLinears(*lins, dtype=dtype)
     return done

@@ -94,3 +94,19 @@ def test_deep_tree_nodes_equal_the_training_forward(cfg_path, prompt_len):
         block = torch.cat([torch.tensor([pending]), tree.tokens[path]])
         ids = torch.cat([ids, block])
         head.commit(block, _tail(target, ids, block.numel()))
+
+
+@pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
+def test_bf16_packed_draft_decodes_losslessly(cfg_path):
+    """A head whose linear layers are packed in bf16 (``load_head(..., linear_dtype="bfloat16")``) drafts other
+    logits in their last bits; greedy output still equals plain decoding, as a chain and as a tree."""
+    from models.cpu_linear import PackedLinear, pack_linears
+
+    target, head = _perturbed(cfg_path)
+    if not pack_linears(head, torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packed linear in this PyTorch build")
+    assert any(isinstance(m, PackedLinear) and m._dtype == torch.bfloat16 for m in head.modules())
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    for tree in (None, TreeSpec(budget=8, depth=3, topk=2)):
+        out, st = dec.generate(PROMPTS[1], head, max_new_tokens=18, tree=tree)
+        assert out == plain_greedy(target.model, PROMPTS[1], 18) and st.passes >= 1
