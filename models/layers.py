@@ -223,8 +223,11 @@ class _RowCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
+        if getattr(ctx, "spent", False):
+            raise RuntimeError("row_ce: a second backward through the same graph (retain_graph) is not supported")
+        ctx.spent = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(g[:, None]), None, None, None, None  # the buffer is this call's own and used once
+        return grad.mul_(g[:, None]), None, None, None, None  # the buffer is this call's own: scaled in place, once
 
 
 def row_ce(z: torch.Tensor, labels: torch.Tensor | None = None, teacher: torch.Tensor | None = None,

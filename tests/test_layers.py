@@ -83,6 +83,10 @@ def test_row_ce_equals_cross_entropy_against_tokens_and_against_the_targets_rows
         (ours(z1) * w).sum().backward()
         (ref(z2) * w).sum().backward()
         torch.testing.assert_close(z1.grad, z2.grad)
+    loss = row_ce(z.clone().requires_grad_(True), labels=labels).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):  # its gradient buffer is scaled in place: never reused
+        loss.backward()
 
 
 def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
