@@ -236,7 +236,7 @@ def row_ce(z: torch.Tensor, labels: torch.Tensor | None = None, teacher: torch.T
     [N], or against the target's distribution for each row, ``teacher`` [R, V] (logits, or probabilities with
     ``teacher_is_probs``) at row ``rows`` [N] of it (default: row n for row n)."""
     if (labels is None) == (teacher is None):
-        raise ValueError("row_ce: give labels or teacher, not both")
+        raise ValueError("row_ce: give exactly one of labels and teacher")
     return _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs)
 
 
@@ -245,11 +245,6 @@ def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     V = logits.shape[-1]
     out = row_ce(logits.reshape(-1, V), teacher=target_probs.reshape(-1, V), teacher_is_probs=True)
     return out.view(logits.shape[:-1])
-
-
-def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Σ weight · (−Σ_v p log q) / Σ weight.  logits, target_probs [N, V]; weight [N]."""
-    return (soft_ce(logits, target_probs) * weight).sum() / weight.sum().clamp_min(1.0)
 
 
 def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
@@ -268,7 +263,7 @@ def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: 
     b, t = w.nonzero(as_tuple=True)  # the N scored positions
     z = project(hidden[b, t])  # [N, V]
     if teacher_logits is not None:
-        loss = row_ce(z, teacher=teacher_logits.view(B * T, -1), rows=b * T + t + ahead)  # [N]
+        loss = row_ce(z, teacher=teacher_logits.reshape(B * T, -1), rows=b * T + t + ahead)  # [N]
     else:
         loss = row_ce(z, labels=ids[b, t + n])  # [N]
     wn = w[b, t]

@@ -198,8 +198,8 @@ class DFlashHead(DraftHead):
             t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position
             slot = rows[2]  # [M]; slot 0 (the anchor) is never scored
             blk = w.shape[-1]
-            hit = (z.argmax(-1) == t_top[b, at]).long()
-            correct = torch.bincount(slot, weights=hit.float(), minlength=blk)[1:].float()
+            hit = (z.argmax(-1) == t_top[b, at]).float()
+            correct = torch.bincount(slot, weights=hit, minlength=blk)[1:].float()
             total = torch.bincount(slot, minlength=blk)[1:].float()
         return HeadOutput(loss=loss, correct=correct, total=total)
 

@@ -29,7 +29,7 @@ from models.heads.drafting import Proposal, Sampler, proposal
 from models.heads.trees import TreeSpec, ancestors, grow_tree, node_depths
 from models.heads.vocab import build_draft_vocab, choose, draft_ids, to_target
 from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, shift_left,
-                           soft_cross_entropy, ttt_attention)
+                           row_ce, ttt_attention)
 from models.target import rope_theta as target_rope_theta
 
 
@@ -170,6 +170,7 @@ class Eagle3Head(DraftHead):
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
+        B, T = ids.shape
         t_logits = feats.logits  # [B, T, V] target logits
         t_top = t_logits.argmax(-1)  # [B, T]
         t_probs = torch.softmax(t_logits[..., self.draft_ids()].float(), dim=-1)  # [B, T, Vd] on the draft vocabulary
@@ -181,8 +182,9 @@ class Eagle3Head(DraftHead):
             w = step_weights(loss_mask, in_vocab, valid, j)  # [B, T]
             b, t = w.nonzero(as_tuple=True)  # the N scored positions: only they are projected onto the vocabulary
             logits = self.logits_of(h[b, t])  # [N, Vd]
-            loss = loss + (self.step_decay ** j) * (soft_cross_entropy(logits, t_probs[b, t + 1 + j], w[b, t])
-                                                    + self.step_loss(j, h, feats, w))
+            wn = w[b, t]
+            ce = row_ce(logits, teacher=t_probs.view(B * T, -1), rows=b * T + t + 1 + j, teacher_is_probs=True)  # [N]
+            loss = loss + (self.step_decay ** j) * ((ce * wn).sum() / wn.sum().clamp_min(1.0) + self.step_loss(j, h, feats, w))
             with torch.no_grad():
                 top = logits.argmax(-1)
                 correct[j], total[j] = (top + self.d2t[top] == t_top[b, t + 1 + j]).sum(), b.numel()  # target ids
