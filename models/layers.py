@@ -146,6 +146,47 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class KVBuffer:
+    """A draft's keys and values [B, H, n, hd] over its context, in buffers grown by doubling.
+
+    Decoding adds a few rows a round; ``torch.cat`` onto the cache copied all of it every time (on these CPUs
+    about 30 µs a copy, two per layer and round, several times a drafted token). :meth:`add` copies only the new
+    rows, after the rows already there, and returns views of everything; :meth:`keep` then says how many of the
+    rows added since the last keep stay (the rest, speculative rows of drafted positions, are overwritten by the
+    next add). Views returned by ``add`` are valid until the next ``add``."""
+
+    def __init__(self) -> None:
+        self._k = self._v = None
+        self.n = 0       # rows kept
+        self.added = 0   # rows written after them since the last keep
+
+    def add(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, H, m, hd] after every row held → views [B, H, n + added, hd] of all rows."""
+        start, end = self.n + self.added, self.n + self.added + k.shape[2]
+        if self._k is None or end > self._k.shape[2]:
+            cap = max(64, 2 * end)
+            kb, vb = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+            if start:
+                kb[:, :, :start], vb[:, :, :start] = self._k[:, :, :start], self._v[:, :, :start]
+            self._k, self._v = kb, vb
+        self._k[:, :, start:end], self._v[:, :, start:end] = k, v
+        self.added = end - self.n
+        return self._k[:, :, :end], self._v[:, :, :end]
+
+    def keep(self, m: int | None = None) -> None:
+        """Keep the first ``m`` rows added since the last keep (None: all of them); forget the others."""
+        self.n += self.added if m is None else min(m, self.added)
+        self.added = 0
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` rows alone."""
+        self.n, self.added = min(n, self.n), 0
+
+    def kept(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views [B, H, n, hd] of the kept rows (None before the first add)."""
+        return None if self._k is None else (self._k[:, :, : self.n], self._v[:, :, : self.n])
+
+
 def causal_mask(T: int, device=None) -> torch.Tensor:
     """Boolean [T, T], True where query i may attend key j (j <= i)."""
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()

@@ -30,7 +30,7 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw
 from models.heads.trees import TreeSpec, grow_tree, node_depths
-from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, frozen_linear,
+from models.layers import (MLP, Attention, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, frozen_linear,
                            row_ce)
 from models.target import rope_theta
 
@@ -209,15 +209,14 @@ class DFlashHead(DraftHead):
         m = ctx.shape[1]
         pos = torch.arange(self._n, self._n + m, device=ctx.device)[None]
         cos, sin = self.rotary(pos)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.context_kv(ctx, cos, sin)
-            ck, cv = self._kv[i]
-            self._kv[i] = (k, v) if ck is None else (torch.cat([ck, k], 2), torch.cat([cv, v], 2))
+        for layer, cache in zip(self.layers, self._kv):
+            cache.add(*layer.context_kv(ctx, cos, sin))
+            cache.keep()
         self._n += m
 
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
-        self._kv, self._n = [(None, None)] * len(self.layers), 0
+        self._kv, self._n = [KVBuffer() for _ in self.layers], 0  # each layer's context keys/values
         self._extend(feats.tap_states)
 
     @torch.no_grad()
@@ -232,7 +231,7 @@ class DFlashHead(DraftHead):
         block = torch.full((1, self.block_size), self.mask_token_id, device=dev)
         block[0, 0] = pending
         pos = torch.arange(self._n, self._n + self.block_size, device=dev)[None]
-        return self.run_block(block, pos, self._kv, None)[0]
+        return self.run_block(block, pos, [c.kept() for c in self._kv], None)[0]
 
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:

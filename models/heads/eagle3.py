@@ -28,8 +28,8 @@ from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, proposal
 from models.heads.trees import TreeSpec, ancestors, grow_tree, node_depths
 from models.heads.vocab import build_draft_vocab, choose, draft_ids, to_target
-from models.layers import (MLP, Attention, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, shift_left,
-                           row_ce, ttt_attention)
+from models.layers import (MLP, Attention, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding,
+                           row_ce, shift_left, ttt_attention)
 from models.target import rope_theta as target_rope_theta
 
 
@@ -194,7 +194,7 @@ class Eagle3Head(DraftHead):
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
         """After prefill: the prompt's tap states become pending context (each still needs its next token)."""
-        self._ctx_k = self._ctx_v = None  # step-0 keys/values of processed context [1, H, Tc, hd]
+        self._ctx = KVBuffer()  # step-0 keys/values of processed context [1, H, Tc, hd]
         self._pos = 0
         self._pending_h = self.fuse(feats)  # [1, m, d]
         self._pending_next = prompt_ids.view(-1)[1:]  # next token of each pending position but the last
@@ -214,11 +214,11 @@ class Eagle3Head(DraftHead):
         m = h.shape[1]
         pos = torch.arange(self._pos, self._pos + m, device=h.device)[None]
         q, k_, v_ = self.step(h, nxt, pos)
-        self._ctx_k = k_ if self._ctx_k is None else torch.cat([self._ctx_k, k_], 2)
-        self._ctx_v = v_ if self._ctx_v is None else torch.cat([self._ctx_v, v_], 2)
+        keys, values = self._ctx.add(k_, v_)
+        self._ctx.keep()
         # Every pending row's key/value is cached, but only the last row's output is used: the last query sees
         # the whole context (no mask), and the MLP and the draft lm_head run on one row, not m.
-        o = torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], self._ctx_k, self._ctx_v)  # [1, H, 1, hd]
+        o = torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], keys, values)  # [1, H, 1, hd]
         h_out, logits = self.finish(h[:, -1:], o)  # [1, 1, d], [1, 1, Vd]
         self._pos += m
         self._pending_h, self._pending_next = h[:, :0], self._pending_next[:0]
@@ -230,7 +230,6 @@ class Eagle3Head(DraftHead):
         last_h, last_logits = self._extend(pending)
         dev = last_h.device
         # 2) chain: feed the draft's own pre-norm output and drafted token, positions advancing
-        ks, vs = self._ctx_k, self._ctx_v
         tokens, probs = [], []
         for j in range(k):
             t, qv = choose(last_logits, self.d2t, self.t2d.numel(), sampler)
@@ -239,10 +238,11 @@ class Eagle3Head(DraftHead):
             if j == k - 1:
                 break
             q, k1, v1 = self.step(last_h, torch.tensor([[t]], device=dev), torch.tensor([[self._pos + j]], device=dev))
-            ks, vs = torch.cat([ks, k1], 2), torch.cat([vs, v1], 2)
+            ks, vs = self._ctx.add(k1, v1)  # the context, then this round's drafts
             o = torch.nn.functional.scaled_dot_product_attention(q, ks, vs)
             last_h, lg = self.finish(last_h, o)
             last_logits = lg[0, -1]
+        self._ctx.keep(0)  # drafted positions are not context
         return proposal(tokens, probs)
 
     @torch.no_grad()
@@ -254,13 +254,12 @@ class Eagle3Head(DraftHead):
         itself. Node keys live only in this call: the context cache holds the committed positions alone."""
         last_h, last_logits = self._extend(pending)  # [1, 1, d], [Vd]
         dev = last_h.device
-        ctx_k, ctx_v = self._ctx_k, self._ctx_v  # [1, H, P, hd]
+        P = self._ctx.n  # context keys; the expanded nodes' keys are added after them, in the order of ``done``
         done: list[int] = []  # expanded nodes, in the order of the rows below
         hs = last_h[0, :0]  # [N, d] their pre-norm outputs
-        node_k = node_v = ctx_k[:, :, :0]  # [1, H, N, hd] their keys/values
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-            nonlocal hs, node_k, node_v
+            nonlocal hs
             m, depth = len(nodes), int(node_depths(parents)[nodes[0]])
             row = {nd: i for i, nd in enumerate(done)}
             par = parents[nodes].tolist()
@@ -268,13 +267,14 @@ class Eagle3Head(DraftHead):
             pos = torch.full((1, m), self._pos + depth - 1, device=dev)
             q, k, v = self.step(hid, tokens[nodes].to(dev)[None], pos)  # [1, H, m, hd]
             done.extend(nodes)
-            node_k, node_v = torch.cat([node_k, k], 2), torch.cat([node_v, v], 2)
+            keys, values = self._ctx.add(k, v)  # [1, H, P+N, hd]
             sees = ancestors(parents)[nodes][:, done].to(dev)  # [m, N]: ancestors and itself among the keyed nodes
-            mask = torch.cat([torch.ones(m, ctx_k.shape[2], dtype=torch.bool, device=dev), sees], 1)  # [m, P+N]
-            o = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([ctx_k, node_k], 2), torch.cat([ctx_v, node_v], 2),
-                                                                 attn_mask=mask)
+            mask = torch.cat([torch.ones(m, P, dtype=torch.bool, device=dev), sees], 1)  # [m, P+N]
+            o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             h, logits = self.finish(hid, o)  # [1, m, d], [1, m, Vd]
             hs = torch.cat([hs, h[0]])
             return to_target(logits[0], self.d2t, self.t2d.numel())
 
-        return grow_tree(to_target(last_logits[None], self.d2t, self.t2d.numel())[0], expand, tree, sampler)
+        prop = grow_tree(to_target(last_logits[None], self.d2t, self.t2d.numel())[0], expand, tree, sampler)
+        self._ctx.keep(0)  # node keys live only in this call
+        return prop

@@ -64,8 +64,8 @@ from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
 from models.heads.vocab import build_draft_vocab, choose, draft_ids, to_target
-from models.layers import (Attention, DecoderLayer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding,
-                           frozen_linear, lookahead_loss, shift_left)
+from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm,
+                           frozen_embedding, frozen_linear, lookahead_loss, shift_left)
 from models.target import rope_theta
 
 
@@ -86,11 +86,12 @@ class MTPModule(nn.Module):
         self.norm_output = norm_output
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                past: KVBuffer | None = None,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h_prev, emb [B, m, d] at m consecutive positions; past (k, v) [B, H, P, hd] of the P positions before
-        them (None: training, plain causal over the m positions); ``mask`` bool [m, P+m] (with past; default:
-        causal after all past keys; a draft tree packs several paths' rows into one block).
+        """h_prev, emb [B, m, d] at m consecutive positions; past: the keys of the P positions before them, to which
+        these positions' keys are added (the caller keeps what it wants of them; None: training, plain causal over
+        the m positions); ``mask`` bool [m, P+m] (with past; default: causal after all past keys; a draft tree packs
+        several paths' rows into one block).
         Returns the output [B, m, d] handed to the next depth (pre-norm, or normed with ``norm_output``) and these
         positions' k, v [B, H, m, hd]."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))  # [B, m, d]
@@ -99,10 +100,12 @@ class MTPModule(nn.Module):
         if past is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            P, m = past[0].shape[2], q.shape[2]
+            keys, values = past.add(k, v)  # [B, H, P+m, hd]
+            m = q.shape[2]
             if mask is None:
+                P = keys.shape[2] - m
                 mask = torch.ones(m, P + m, dtype=torch.bool, device=q.device).tril(P)  # causal, after all past keys
-            o = F.scaled_dot_product_attention(q, torch.cat([past[0], k], 2), torch.cat([past[1], v], 2), attn_mask=mask)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         x = x + blk.self_attn.out(o)
         x = x + blk.mlp(blk.post_attention_layernorm(x))
         return (self.norm(x) if self.norm_output else x), k, v
@@ -247,7 +250,7 @@ class MTPHead(DraftHead):
     # -- inference (the decoder's Drafter protocol) ----------------------------------------------
     # State, with n = tokens the target has processed (the pending token excluded):
     #   _ids   [n]                 those tokens
-    #   _kv[j-1] (k, v) [1, H, c_j, hd]  depth j's cache: its positions 0..c_j-1 whose inputs are all known
+    #   _kv[j-1] KVBuffer [1, H, c_j, hd]  depth j's cache: its positions 0..c_j-1 whose inputs are all known
     #                              (c_j = n-j+1 after a round that ran depth j; the pending token counts as known)
     #   _rows[i] [1, r, d]         depth-i states of known positions not yet in depth i+1's cache
     #                              (positions c_{i+1}.. ; _rows[0]: the target's last states)
@@ -255,7 +258,7 @@ class MTPHead(DraftHead):
         if self.draft_vocab_size and self.lm_head.weight._version != self._rows_of:
             self._select_rows()
         self._ids = prompt_ids.view(-1).to(self.lm_head.weight.device)
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv: list[KVBuffer] = []
         self._rows = [feats.last_state[:1].to(self.lm_head.weight.device, self.eh_dtype)]
 
     def commit(self, tokens: torch.Tensor, feats: Any) -> None:
@@ -272,13 +275,13 @@ class MTPHead(DraftHead):
         tokens, probs = [], []
         out = None  # depth j-1's states this round, at positions c_{j-1}..n-1
         for j in range(1, steps + 1):
-            (ck, cv), c = self._depth(j)
+            cache, c = self._depth(j)
             prev = self._rows[j - 1] if out is None else torch.cat([self._rows[j - 1], out], 1)  # [1, n-c, d]
             pos = torch.arange(c, n, device=seq.device)[None]  # [1, n-c]
             cos, sin = self.rotary(pos)
-            out, k_new, v_new = self.module(j)(prev, self.embed_tokens(seq[pos + j]), cos, sin, (ck, cv))
+            out, _, _ = self.module(j)(prev, self.embed_tokens(seq[pos + j]), cos, sin, cache)
             known = max(0, n - j + 1)  # depth j's positions < known have every input known (token t+j <= x_n)
-            self._kv[j - 1] = (torch.cat([ck, k_new[:, :, : known - c]], 2), torch.cat([cv, v_new[:, :, : known - c]], 2))
+            cache.keep(known - c)
             known_prev = n if j == 1 else max(0, n - j + 2)
             self._rows[j - 1] = prev[:, known - c: known_prev - c]  # depth j-1 states depth j has not cached yet
             h_last = self.module(j).head_input(out[0, -1])  # position n-1 predicts x_{n+j}
@@ -295,15 +298,13 @@ class MTPHead(DraftHead):
             self._rows[last] = torch.cat([self._rows[last], out[:, : last_known - last_c]], 1)
         return proposal(tokens, probs)
 
-    def _depth(self, j: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    def _depth(self, j: int) -> tuple[KVBuffer, int]:
         """Depth j's cache and its length c; a new depth (first round, or deeper than ever with reuse_last_module)
         starts empty."""
         if len(self._kv) < j:
-            attn = self.module(j).block.self_attn
-            empty = self._rows[0].new_zeros(1, attn.n_heads, 0, attn.hd)
-            self._kv.append((empty, empty))
+            self._kv.append(KVBuffer())
             self._rows.append(self._rows[0][:, :0])
-        return self._kv[j - 1], self._kv[j - 1][0].shape[2]
+        return self._kv[j - 1], self._kv[j - 1].n
 
     def _tree_depth(self, j: int, seq: torch.Tensor, below: torch.Tensor | None, paths: torch.Tensor,
                     spec_below: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -314,7 +315,7 @@ class MTPHead(DraftHead):
         node's parent at the positions that read drafts. Returns depth j's known states [1, known−c, d] (the same
         for every path; cached once), its speculative states [m, n−known, d] and the logits at n−1 [m, V]."""
         n, dev = seq.numel() - 1, seq.device
-        (ck, cv), c = self._depth(j)
+        cache, c = self._depth(j)
         mod = self.module(j)
         prev = self._rows[j - 1] if below is None else torch.cat([self._rows[j - 1], below], 1)  # [1, known_{j-1}-c, d]
         known = max(0, n - j + 1)  # positions whose token t+j is known
@@ -322,9 +323,8 @@ class MTPHead(DraftHead):
         if known > c:  # the shared positions c..known-1, once, into depth j's cache
             pos = torch.arange(c, known, device=dev)[None]
             cos, sin = self.rotary(pos)
-            out, k_new, v_new = mod(prev[:, : known - c], self.embed_tokens(seq[pos + j]), cos, sin, (ck, cv))
-            ck, cv = torch.cat([ck, k_new], 2), torch.cat([cv, v_new], 2)
-            self._kv[j - 1] = (ck, cv)
+            out, _, _ = mod(prev[:, : known - c], self.embed_tokens(seq[pos + j]), cos, sin, cache)
+            cache.keep()
         self._rows[j - 1] = prev[:, known - c:]  # depth j-1 states depth j has not cached yet
         m, s = paths.shape[0], n - known  # s: positions known..n-1 read drafts (j = 1: none)
         if s == 0:
@@ -334,8 +334,9 @@ class MTPHead(DraftHead):
         h_prev = torch.cat([self._rows[j - 1].expand(m, -1, -1), spec_below], 1)  # [m, s, d]: known rows, then the path's
         cos, sin = self.rotary(pos.repeat(m)[None])
         own = torch.block_diag(*[torch.ones(s, s, dtype=torch.bool, device=dev).tril()] * m)  # [m·s, m·s]
-        mask = torch.cat([torch.ones(m * s, ck.shape[2], dtype=torch.bool, device=dev), own], 1)  # cache + own rows
-        o, _, _ = mod(h_prev.reshape(1, m * s, -1), emb.reshape(1, m * s, -1), cos, sin, (ck, cv), mask)
+        mask = torch.cat([torch.ones(m * s, cache.n, dtype=torch.bool, device=dev), own], 1)  # cache + own rows
+        o, _, _ = mod(h_prev.reshape(1, m * s, -1), emb.reshape(1, m * s, -1), cos, sin, cache, mask)
+        cache.keep(0)  # the paths' rows are speculative
         o = o.view(m, s, -1)
         return out, o, self.draft_logits(j, o[:, -1])  # position n-1 predicts the token after each node
 
