@@ -14,45 +14,33 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from models.layers import KVBuffer
+
 
 class BufferedLayer(DynamicLayer):
-    """A ``DynamicLayer`` with capacity: ``keys``/``values`` are views ``[B, H, n, hd]`` of buffers ``[B, H, cap, hd]``."""
+    """A ``DynamicLayer`` with capacity: ``keys``/``values`` are views ``[B, H, n, hd]`` of buffers ``[B, H, cap, hd]``
+    (:class:`models.layers.KVBuffer`, the drafts' caches too)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._n = 0
-        self._kb = self._vb = None
+        self._buf = KVBuffer()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, m = self._n, key_states.shape[-2]
-        if self._kb is None or n + m > self._kb.shape[-2]:  # grow: twice what is needed (amortised O(1) copies per row)
-            cap = max(256, 2 * (n + m))
-            kb = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
-            vb = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
-            if n:
-                kb[..., :n, :] = self._kb[..., :n, :]
-                vb[..., :n, :] = self._vb[..., :n, :]
-            self._kb, self._vb = kb, vb
-        self._kb[..., n: n + m, :] = key_states
-        self._vb[..., n: n + m, :] = value_states
-        self._set(n + m)
+        self.keys, self.values = self._buf.add(key_states, value_states)
+        self._buf.keep()
         return self.keys, self.values
-
-    def _set(self, n: int) -> None:
-        self._n = n
-        self.keys, self.values = self._kb[..., :n, :], self._vb[..., :n, :]
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative count of tokens to remove")
-        if tokens_to_remove and self.is_initialized and self._kb is not None:
-            self._set(max(0, self._n - abs(tokens_to_remove)))
+        if tokens_to_remove and self.is_initialized and self._buf.kept() is not None:
+            self._buf.crop(max(0, self._buf.n - abs(tokens_to_remove)))
+            self.keys, self.values = self._buf.kept()
 
     def reset(self) -> None:
-        self._kb = self._vb = None
-        self._n = 0
+        self._buf = KVBuffer()
         super().reset()
 
 

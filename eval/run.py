@@ -116,17 +116,22 @@ def load_head(path: str, target: Any, linear_dtype: str = "float32") -> Any:
     """A trained draft head exported by ``python -m train`` (``run_dir/draft``). Where the target's linear layers
     go through oneDNN's packed weights (``target.fast_linear``), so do the head's: a tree level or a block drafts
     several rows at once, where MKL's product costs 2–3× one row (:mod:`models.cpu_linear`). ``linear_dtype:
-    bfloat16`` packs them in bf16 (half the bytes a drafted token reads; pays on CPUs with bf16 instructions,
-    measure with ``eval.bench_decode``); the draft's logits change in their last bits, the output does not."""
-    from models.cpu_linear import pack_linears
+    bfloat16`` packs them in bf16 (half the bytes a drafted token reads; pays on CPUs with bf16 instructions);
+    ``auto`` times each layer here on one row and keeps the fastest of MKL, fp32 and bf16 packing
+    (:func:`models.cpu_linear.pack_fastest`). Measure with ``eval.bench_decode``; the draft's logits change in
+    their last bits, the output does not."""
+    from models.cpu_linear import pack_fastest, pack_linears
     from models.formats import load_draft
     from models.target import DTYPES
 
-    if linear_dtype not in ("float32", "bfloat16"):
-        raise UserError(f"linear_dtype={linear_dtype}: float32 or bfloat16")
+    if linear_dtype not in ("float32", "bfloat16", "auto"):
+        raise UserError(f"linear_dtype={linear_dtype}: float32, bfloat16 or auto")
     head = load_draft(path, target).eval()
     if getattr(target, "packed_linears", 0):
-        pack_linears(head, DTYPES[linear_dtype])
+        if linear_dtype == "auto":
+            pack_fastest(head)
+        else:
+            pack_linears(head, DTYPES[linear_dtype])
     return head
 
 

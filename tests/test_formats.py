@@ -318,6 +318,8 @@ def test_load_head_packs_the_heads_linears_where_the_target_does(target_dir, tmp
     assert isinstance(fast.lm_head, PackedLinear) and not any(isinstance(m, PackedLinear) for m in plain.modules())
     with pytest.raises(UserError, match="linear_dtype=int8"):
         load_head(str(tmp_path / "draft"), fast_target, linear_dtype="int8")
+    auto = load_head(str(tmp_path / "draft"), fast_target, linear_dtype="auto")  # each layer's fastest kernel, timed
+    assert all(type(m) in (torch.nn.Linear, PackedLinear) for m in auto.modules() if isinstance(m, torch.nn.Linear))
     x = torch.randn(3, 4, fast.lm_head.in_features)
     with torch.no_grad():
         torch.testing.assert_close(fast.lm_head(x), plain.lm_head(x), rtol=1e-4, atol=1e-4)

@@ -96,16 +96,31 @@ def test_deep_tree_nodes_equal_the_training_forward(cfg_path, prompt_len):
         head.commit(block, _tail(target, ids, block.numel()))
 
 
+@pytest.mark.parametrize("packing", ["bfloat16", "fastest"])
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
-def test_bf16_packed_draft_decodes_losslessly(cfg_path):
-    """A head whose linear layers are packed in bf16 (``load_head(..., linear_dtype="bfloat16")``) drafts other
-    logits in their last bits; greedy output still equals plain decoding, as a chain and as a tree."""
-    from models.cpu_linear import PackedLinear, pack_linears
+def test_packed_draft_decodes_losslessly(cfg_path, packing):
+    """A head whose linear layers are packed in bf16 (``load_head(..., linear_dtype="bfloat16")``), or each given
+    the kernel timed fastest here (``linear_dtype="auto"``: MKL, fp32 or bf16 packing, fused q/k/v and gate/up or
+    not), drafts other logits in their last bits; greedy output still equals plain decoding, chain and tree."""
+    from models.cpu_linear import PackedLinear, pack_fastest, pack_linears
 
     target, head = _perturbed(cfg_path)
-    if not pack_linears(head, torch.bfloat16):
-        pytest.skip("no oneDNN bf16 packed linear in this PyTorch build")
-    assert any(isinstance(m, PackedLinear) and m._dtype == torch.bfloat16 for m in head.modules())
+    n_linear = sum(type(m) is torch.nn.Linear for m in head.modules())
+    if packing == "bfloat16":
+        if not pack_linears(head, torch.bfloat16):
+            pytest.skip("no oneDNN bf16 packed linear in this PyTorch build")
+        assert any(isinstance(m, PackedLinear) and m._dtype == torch.bfloat16 for m in head.modules())
+    else:
+        counts = pack_fastest(head)
+        if not counts:
+            pytest.skip("no oneDNN packed linear in this PyTorch build")
+        assert counts["mkl"] + counts["float32"] + counts["bfloat16"] == n_linear
+        assert sum(isinstance(m, PackedLinear) for m in head.modules()) == counts["float32"] + counts["bfloat16"]
+        with torch.no_grad():  # whichever kernel won, each layer computes its own product
+            for lin in (m for m in head.modules() if isinstance(m, torch.nn.Linear)):
+                x = torch.randn(2, lin.in_features)
+                ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+                assert torch.allclose(lin(x), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
     dec = SpeculativeDecoder(target, eos_token_ids=[])
     for tree in (None, TreeSpec(budget=8, depth=3, topk=2)):
         out, st = dec.generate(PROMPTS[1], head, max_new_tokens=18, tree=tree)
