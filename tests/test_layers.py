@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import (_RowCE, RMSNorm, Rotary, apply_rotary, causal_mask, expected_acceptance_length, lookahead_loss, row_ce, soft_ce,
+from models.layers import (_RowCE, KVBuffer, RMSNorm, Rotary, apply_rotary, causal_mask, expected_acceptance_length, lookahead_loss, row_ce, soft_ce,
                            ttt_attention, ttt_mask)
 
 
@@ -115,3 +115,26 @@ def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
     assert float(hard[1]) == float(soft[1]) == hits and float(hard[2]) == n
     sure = 80.0 * F.one_hot(torch.cat([ids[:, 1:], ids[:, :1]], 1), V).float()  # a teacher certain of the data's next token
     assert torch.allclose(lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead, sure)[0], hard[0], atol=1e-5)
+
+
+def test_kv_buffer_holds_what_concatenation_would():
+    """add/keep/crop against a reference built with torch.cat: kept rows survive growth, speculative rows added
+    after them are forgotten by keep(m), and every view add returns is the kept rows followed by what was added."""
+    g = torch.Generator().manual_seed(0)
+    buf, ref_k, ref_v = KVBuffer(), torch.zeros(1, 2, 0, 3), torch.zeros(1, 2, 0, 3)
+    assert buf.kept() is None
+    for step in range(60):  # past the first capacity (64 rows) and a doubling
+        m = 1 + step % 4
+        k, v = torch.randn(1, 2, m, 3, generator=g), torch.randn(1, 2, m, 3, generator=g)
+        keys, values = buf.add(k, v)
+        extra = torch.randn(1, 2, 2, 3, generator=g)  # a second add in the same round (a chain's next draft)
+        keys2, _ = buf.add(extra, extra)
+        assert torch.equal(keys, torch.cat([ref_k, k], 2)) and torch.equal(values, torch.cat([ref_v, v], 2))
+        assert torch.equal(keys2, torch.cat([ref_k, k, extra], 2))
+        keep = step % (m + 1)
+        buf.keep(keep)
+        ref_k, ref_v = torch.cat([ref_k, k[:, :, :keep]], 2), torch.cat([ref_v, v[:, :, :keep]], 2)
+        assert buf.n == ref_k.shape[2] and torch.equal(buf.kept()[0], ref_k) and torch.equal(buf.kept()[1], ref_v)
+    assert buf.n > 64
+    buf.crop(5)
+    assert torch.equal(buf.kept()[0], ref_k[:, :, :5])
