@@ -160,22 +160,25 @@ def pack_fastest(model: nn.Module, rows: int = 1) -> dict[str, int]:
     if not available():
         return {}
     counts = {"mkl": 0, "float32": 0, "bfloat16": 0, "fused": 0}
-    ok = {torch.float32: None, torch.bfloat16: None}  # whether this build's kernel agrees with F.linear (checked once)
+    ok = {torch.float32: None, torch.bfloat16: None}  # whether this build's kernel runs and agrees with F.linear
+    gen = torch.Generator().manual_seed(0)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
                 continue
-            x = torch.randn(rows, child.in_features)
+            x = torch.randn(rows, child.in_features, generator=gen)
             cands: dict[str, nn.Module] = {"mkl": child}
             for dt, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-                packed = PackedLinear(child, dt)
-                if ok[dt] is None:
-                    with torch.no_grad():
-                        ref = F.linear(x, child.weight, child.bias)
-                        try:
+                if ok[dt] is False:
+                    continue
+                try:  # packing itself raises where the CPU lacks the dtype's instructions (bf16 without AVX-512)
+                    packed = PackedLinear(child, dt)
+                    if ok[dt] is None:  # checked on the first layer
+                        with torch.no_grad():
+                            ref = F.linear(x, child.weight, child.bias)
                             ok[dt] = torch.allclose(packed(x), ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1)))
-                        except RuntimeError:  # no kernel for this dtype on this build
-                            ok[dt] = False
+                except RuntimeError:
+                    ok[dt] = False
                 if ok[dt]:
                     cands[str(dt).removeprefix("torch.")] = packed
             best = min(cands, key=lambda c: _median_us(cands[c], x))
@@ -183,9 +186,10 @@ def pack_fastest(model: nn.Module, rows: int = 1) -> dict[str, int]:
             setattr(parent, name, cands[best])
     for m in model.modules():
         lins = [getattr(m, n) for n in getattr(m, "fused_linears", ())]
-        if not lins or not all(isinstance(lin, nn.Linear) and lin.weight.dtype == torch.float32 for lin in lins):
+        if not lins or not all(isinstance(lin, nn.Linear) and lin.weight.dtype == torch.float32
+                                and lin.weight.device.type == "cpu" for lin in lins):
             continue
-        x = torch.randn(rows, lins[0].in_features)
+        x = torch.randn(rows, lins[0].in_features, generator=gen)
         cands = {"apart": None} | {dt: FusedLinears(*lins, dtype=dt) for dt in (torch.float32, torch.bfloat16) if ok[dt]}
         best = min(cands, key=lambda c: _median_us(lambda v: [lin(v) for lin in lins] if c == "apart" else cands[c](v), x))
         if best != "apart":

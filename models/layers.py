@@ -175,7 +175,9 @@ class KVBuffer:
 
     def keep(self, m: int | None = None) -> None:
         """Keep the first ``m`` rows added since the last keep (None: all of them); forget the others."""
-        self.n += self.added if m is None else min(m, self.added)
+        if m is not None and not 0 <= m <= self.added:
+            raise ValueError(f"KVBuffer.keep({m}): {self.added} rows were added since the last keep")
+        self.n += self.added if m is None else m
         self.added = 0
 
     def crop(self, n: int) -> None:
