@@ -112,14 +112,14 @@ def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
     return drafter
 
 
-def load_head(path: str, target: Any, linear_dtype: str = "float32") -> Any:
+def load_head(path: str, target: Any, linear_dtype: str = "auto") -> Any:
     """A trained draft head exported by ``python -m train`` (``run_dir/draft``). Where the target's linear layers
     go through oneDNN's packed weights (``target.fast_linear``), so do the head's: a tree level or a block drafts
-    several rows at once, where MKL's product costs 2–3× one row (:mod:`models.cpu_linear`). ``linear_dtype:
-    bfloat16`` packs them in bf16 (half the bytes a drafted token reads; pays on CPUs with bf16 instructions);
-    ``auto`` times each layer here on one row and keeps the fastest of MKL, fp32 and bf16 packing
-    (:func:`models.cpu_linear.pack_fastest`). Measure with ``eval.bench_decode``; the draft's logits change in
-    their last bits, the output does not."""
+    several rows at once, where MKL's product costs 2–3× one row (:mod:`models.cpu_linear`). ``linear_dtype``:
+    ``auto`` (default) times each layer here on one row and keeps the fastest of MKL, fp32 and bf16 packing
+    (:func:`models.cpu_linear.pack_fastest`); ``float32`` packs every layer in fp32, ``bfloat16`` in bf16 (half the
+    bytes a drafted token reads; CPUs with bf16 instructions). Measure with ``eval.bench_decode``; the draft's
+    logits change in their last bits, the output does not."""
     from models.cpu_linear import pack_fastest, pack_linears
     from models.formats import load_draft
     from models.target import DTYPES

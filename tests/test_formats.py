@@ -313,12 +313,12 @@ def test_load_head_packs_the_heads_linears_where_the_target_does(target_dir, tmp
     fast_target = FrozenTarget(str(target_dir), fast_linear=True)
     if not fast_target.packed_linears:
         pytest.skip("this PyTorch build has no oneDNN packed linear")
-    fast = load_head(str(tmp_path / "draft"), fast_target)
+    fast = load_head(str(tmp_path / "draft"), fast_target, linear_dtype="float32")
     plain = load_head(str(tmp_path / "draft"), FrozenTarget(str(target_dir), fast_linear=False))
     assert isinstance(fast.lm_head, PackedLinear) and not any(isinstance(m, PackedLinear) for m in plain.modules())
     with pytest.raises(UserError, match="linear_dtype=int8"):
         load_head(str(tmp_path / "draft"), fast_target, linear_dtype="int8")
-    auto = load_head(str(tmp_path / "draft"), fast_target, linear_dtype="auto")  # each layer's fastest kernel, timed
+    auto = load_head(str(tmp_path / "draft"), fast_target)  # auto, the default: each layer's fastest kernel, timed
     assert all(type(m) in (torch.nn.Linear, PackedLinear) for m in auto.modules() if isinstance(m, torch.nn.Linear))
     x = torch.randn(3, 4, fast.lm_head.in_features)
     with torch.no_grad():
