@@ -112,22 +112,16 @@ def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
     missing or the check of one layer disagrees with ``F.linear`` (bf16: within its rounding)."""
     if not available():
         return 0
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
     done = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                packed = PackedLinear(child, dtype)
                 if done == 0:  # one check that the op works here and agrees with MKL
-                    x = torch.randn(3, child.in_features, generator=torch.Generator().manual_seed(0))
-                    with torch.no_grad():
-                        ref = F.linear(x, child.weight, child.bias)
-                        try:
-                            ok = torch.allclose(packed(x), ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1)))
-                        except RuntimeError:  # no kernel for this dtype on this build
-                            ok = False
-                        if not ok:
-                            return 0
+                    packed = _checked_pack(child, dtype, torch.Generator().manual_seed(0))
+                    if packed is None:
+                        return 0
+                else:
+                    packed = PackedLinear(child, dtype)
                 setattr(parent, name, packed)
                 done += 1
     for m in model.modules():
@@ -136,6 +130,21 @@ def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
         if done and lins and all(lin.weight.dtype == torch.float32 and lin.weight.device.type == "cpu" for lin in lins):
             m.__dict__["_fused"] = FusedLinears(*lins, dtype=dtype)
     return done
+
+
+def _checked_pack(lin: nn.Linear, dtype: torch.dtype, gen: torch.Generator, rows: int = 3) -> PackedLinear | None:
+    """``lin`` packed in ``dtype``, or None where this build or CPU has no such kernel (packing bf16 raises without
+    AVX-512) or its product disagrees with ``F.linear`` (fp32: 1e-4; bf16: within its rounding, 2e-2)."""
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    x = torch.randn(rows, lin.in_features, generator=gen)
+    try:
+        packed = PackedLinear(lin, dtype)
+        with torch.no_grad():
+            ref = F.linear(x, lin.weight, lin.bias)
+            ok = torch.allclose(packed(x), ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1)))
+    except RuntimeError:
+        return None
+    return packed if ok else None
 
 
 def _median_us(f, x: torch.Tensor, reps: int = 15) -> float:
@@ -168,17 +177,11 @@ def pack_fastest(model: nn.Module, rows: int = 1) -> dict[str, int]:
                 continue
             x = torch.randn(rows, child.in_features, generator=gen)
             cands: dict[str, nn.Module] = {"mkl": child}
-            for dt, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+            for dt in (torch.float32, torch.bfloat16):
                 if ok[dt] is False:
                     continue
-                try:  # packing itself raises where the CPU lacks the dtype's instructions (bf16 without AVX-512)
-                    packed = PackedLinear(child, dt)
-                    if ok[dt] is None:  # checked on the first layer
-                        with torch.no_grad():
-                            ref = F.linear(x, child.weight, child.bias)
-                            ok[dt] = torch.allclose(packed(x), ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1)))
-                except RuntimeError:
-                    ok[dt] = False
+                packed = _checked_pack(child, dt, gen) if ok[dt] is None else PackedLinear(child, dt)  # first layer: checked
+                ok[dt] = packed is not None
                 if ok[dt]:
                     cands[str(dt).removeprefix("torch.")] = packed
             best = min(cands, key=lambda c: _median_us(cands[c], x))
