@@ -34,24 +34,51 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (RoPE, half-rotation layout as in Llama/Qwen)."""
+    """Rotary position embedding (RoPE, half-rotation layout as in Llama/Qwen).
+
+    Positions given as a ``range`` (a decoding round's consecutive positions) are read from tables of cos and sin
+    for positions 0..N−1, computed once the way a tensor of positions is (the same values) and grown by doubling:
+    a drafted token then costs two slices instead of the six operators that compute them."""
 
     def __init__(self, head_dim: int, theta: float = 10000.0):
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._tables: tuple | None = None  # (inv_freq it was computed from, its version, cos, sin [1, 1, N, hd])
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] → cos, sin [B, 1, T, hd]."""
+    def forward(self, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] → cos, sin [B, 1, T, hd]; a ``range`` → [1, 1, T, hd] (views of the tables)."""
+        if isinstance(positions, range):
+            cos, sin = self._table(positions.stop)
+            return cos[:, :, positions.start: positions.stop], sin[:, :, positions.start: positions.stop]
         f = positions.float()[..., None] * self.inv_freq  # [B, T, hd/2]
         emb = torch.cat([f, f], dim=-1)
         return emb.cos()[:, None], emb.sin()[:, None]
 
+    def _table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, N ≥ n, hd] of positions 0..N−1 (computed again after inv_freq was moved, cast or written)."""
+        t = self._tables
+        if t is None or t[0] is not self.inv_freq or t[1] != self.inv_freq._version or t[2].shape[2] < n:
+            size = max(256, 2 * n) if t is None or t[2].shape[2] < n else t[2].shape[2]
+            cos, sin = self(torch.arange(size, device=self.inv_freq.device)[None])
+            self._tables = t = (self.inv_freq, self.inv_freq._version, cos, sin)
+        return t[2], t[3]
+
+
+_HALF_SIGNS: dict = {}
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, hd]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rot = torch.cat([-x2, x1], dim=-1)
+    """x [B, H, T, hd] → x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂; x₁] computed as a roll of x·[1; −1]
+    (the same values in fewer operators; exact: a product by ±1 and a move)."""
+    hd = x.shape[-1]
+    key = (hd, x.dtype, x.device)
+    sign = _HALF_SIGNS.get(key)
+    if sign is None:
+        sign = _HALF_SIGNS[key] = torch.cat([torch.ones(hd // 2), -torch.ones(hd - hd // 2)]).to(x.device, x.dtype)
+    rot = (x * sign).roll(hd // 2, -1)
+    if x.dtype == torch.float32 and cos.dtype == torch.float32:
+        return x * cos + rot * sin
     return (x.float() * cos + rot.float() * sin).to(x.dtype)
 
 

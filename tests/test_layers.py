@@ -50,6 +50,24 @@ def test_rmsnorm_and_rotary_match_hf():
     assert torch.allclose(apply_rotary(q, cos, sin), hq, atol=1e-6) and torch.allclose(apply_rotary(k, cos, sin), hk, atol=1e-6)
 
 
+def test_rotary_tables_and_rotation_give_the_values_of_the_definition():
+    """A range of positions reads cached tables (grown, and rebuilt after inv_freq changes): exactly what a tensor of
+    those positions computes; the roll-based rotation is exactly x·cos + [−x₂; x₁]·sin, in fp32 and bf16."""
+    r = Rotary(16, 500.0)
+    for a, b in [(0, 1), (3, 9), (250, 700), (0, 5)]:
+        for got, want in zip(r(range(a, b)), r(torch.arange(a, b)[None])):
+            assert got.shape == (1, 1, b - a, 16) and torch.equal(got, want)
+    with torch.no_grad():
+        r.inv_freq.mul_(0.5)  # written in place: the tables follow
+    assert torch.equal(r(range(2, 4))[0], r(torch.arange(2, 4)[None])[0])
+    cos, sin = r(range(0, 7))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 3, 7, 16).to(dtype)
+        x1, x2 = x.chunk(2, -1)
+        want = (x.float() * cos + torch.cat([-x2, x1], -1).float() * sin).to(dtype)
+        assert torch.equal(apply_rotary(x, cos, sin), want)
+
+
 def test_expected_acceptance_length():
     assert expected_acceptance_length([]) == 1.0
     assert abs(expected_acceptance_length([0.5, 0.5]) - 1.75) < 1e-9

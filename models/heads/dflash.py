@@ -140,8 +140,9 @@ class DFlashHead(DraftHead):
         """taps [B, T, n, d_t] → context rows [B, T, d]."""
         return self.hidden_norm(self.fc(taps.flatten(-2).to(self.fc.weight.dtype)))
 
-    def run_block(self, block_ids: torch.Tensor, block_pos: torch.Tensor, ctx_kv: list, mask: torch.Tensor | None) -> torch.Tensor:
-        """block_ids, block_pos [B, Tb]; ctx_kv: per layer (k, v) → final hidden [B, Tb, d]."""
+    def run_block(self, block_ids: torch.Tensor, block_pos: torch.Tensor | range, ctx_kv: list,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """block_ids, block_pos [B, Tb] (or a range of Tb, one block); ctx_kv: per layer (k, v) → final hidden [B, Tb, d]."""
         x = self.embed_tokens(block_ids)
         cos, sin = self.rotary(block_pos)
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
@@ -207,8 +208,7 @@ class DFlashHead(DraftHead):
     def _extend(self, taps: torch.Tensor) -> None:
         ctx = self.context(taps)  # [1, m, d]
         m = ctx.shape[1]
-        pos = torch.arange(self._n, self._n + m, device=ctx.device)[None]
-        cos, sin = self.rotary(pos)
+        cos, sin = self.rotary(range(self._n, self._n + m))
         for layer, cache in zip(self.layers, self._kv):
             cache.add(*layer.context_kv(ctx, cos, sin))
             cache.keep()
@@ -230,8 +230,7 @@ class DFlashHead(DraftHead):
         dev = self.fc.weight.device
         block = torch.full((1, self.block_size), self.mask_token_id, device=dev)
         block[0, 0] = pending
-        pos = torch.arange(self._n, self._n + self.block_size, device=dev)[None]
-        return self.run_block(block, pos, [c.kept() for c in self._kv], None)[0]
+        return self.run_block(block, range(self._n, self._n + self.block_size), [c.kept() for c in self._kv], None)[0]
 
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:

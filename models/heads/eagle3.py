@@ -115,8 +115,9 @@ class Eagle3Head(DraftHead):
         """Target ids of the draft vocabulary, [Vd]."""
         return draft_ids(self.d2t)
 
-    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> tuple:
-        """One draft step's projections. hidden [B, T, d], tokens [B, T] → (q, k, v) [B, H, T, hd]."""
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | range) -> tuple:
+        """One draft step's projections. hidden [B, T, d], tokens [B, T], positions [B, T] (or a range of T, one
+        row; of 1, one position for all T) → (q, k, v) [B, H, T, hd]."""
         emb = self.embed_tokens(tokens)
         x = torch.cat([self.midlayer.input_layernorm(emb), self.midlayer.hidden_norm(hidden)], dim=-1)  # [B, T, 2d]
         cos, sin = self.rotary(positions)
@@ -212,8 +213,7 @@ class Eagle3Head(DraftHead):
         nxt = torch.cat([self._pending_next, torch.tensor([pending], device=self._pending_next.device)])[None]  # [1, m]
         h = self._pending_h
         m = h.shape[1]
-        pos = torch.arange(self._pos, self._pos + m, device=h.device)[None]
-        q, k_, v_ = self.step(h, nxt, pos)
+        q, k_, v_ = self.step(h, nxt, range(self._pos, self._pos + m))
         keys, values = self._ctx.add(k_, v_)
         self._ctx.keep()
         # Every pending row's key/value is cached, but only the last row's output is used: the last query sees
@@ -237,7 +237,7 @@ class Eagle3Head(DraftHead):
             probs.append(qv)
             if j == k - 1:
                 break
-            q, k1, v1 = self.step(last_h, torch.tensor([[t]], device=dev), torch.tensor([[self._pos + j]], device=dev))
+            q, k1, v1 = self.step(last_h, torch.tensor([[t]], device=dev), range(self._pos + j, self._pos + j + 1))
             ks, vs = self._ctx.add(k1, v1)  # the context, then this round's drafts
             o = torch.nn.functional.scaled_dot_product_attention(q, ks, vs)
             last_h, lg = self.finish(last_h, o)
@@ -264,8 +264,8 @@ class Eagle3Head(DraftHead):
             row = {nd: i for i, nd in enumerate(done)}
             par = parents[nodes].tolist()
             hid = torch.stack([hs[row[p]] if p >= 0 else last_h[0, 0] for p in par])[None]  # [1, m, d]
-            pos = torch.full((1, m), self._pos + depth - 1, device=dev)
-            q, k, v = self.step(hid, tokens[nodes].to(dev)[None], pos)  # [1, H, m, hd]
+            p = self._pos + depth - 1  # every node of this level sits at position p: one row of cos/sin, broadcast
+            q, k, v = self.step(hid, tokens[nodes].to(dev)[None], range(p, p + 1))  # [1, H, m, hd]
             done.extend(nodes)
             keys, values = self._ctx.add(k, v)  # [1, H, P+N, hd]
             sees = ancestors(parents)[nodes][:, done].to(dev)  # [m, N]: ancestors and itself among the keyed nodes

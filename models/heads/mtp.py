@@ -102,7 +102,7 @@ class MTPModule(nn.Module):
         else:
             keys, values = past.add(k, v)  # [B, H, P+m, hd]
             m = q.shape[2]
-            if mask is None:
+            if mask is None and m > 1:  # one row sees every key: no mask
                 P = keys.shape[2] - m
                 mask = torch.ones(m, P + m, dtype=torch.bool, device=q.device).tril(P)  # causal, after all past keys
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
@@ -277,9 +277,8 @@ class MTPHead(DraftHead):
         for j in range(1, steps + 1):
             cache, c = self._depth(j)
             prev = self._rows[j - 1] if out is None else torch.cat([self._rows[j - 1], out], 1)  # [1, n-c, d]
-            pos = torch.arange(c, n, device=seq.device)[None]  # [1, n-c]
-            cos, sin = self.rotary(pos)
-            out, _, _ = self.module(j)(prev, self.embed_tokens(seq[pos + j]), cos, sin, cache)
+            cos, sin = self.rotary(range(c, n))  # positions c..n-1, which read tokens c+j..n-1+j
+            out, _, _ = self.module(j)(prev, self.embed_tokens(seq[None, c + j: n + j]), cos, sin, cache)
             known = max(0, n - j + 1)  # depth j's positions < known have every input known (token t+j <= x_n)
             cache.keep(known - c)
             known_prev = n if j == 1 else max(0, n - j + 2)
@@ -321,9 +320,8 @@ class MTPHead(DraftHead):
         known = max(0, n - j + 1)  # positions whose token t+j is known
         out = prev[:, :0]
         if known > c:  # the shared positions c..known-1, once, into depth j's cache
-            pos = torch.arange(c, known, device=dev)[None]
-            cos, sin = self.rotary(pos)
-            out, _, _ = mod(prev[:, : known - c], self.embed_tokens(seq[pos + j]), cos, sin, cache)
+            cos, sin = self.rotary(range(c, known))
+            out, _, _ = mod(prev[:, : known - c], self.embed_tokens(seq[None, c + j: known + j]), cos, sin, cache)
             cache.keep()
         self._rows[j - 1] = prev[:, known - c:]  # depth j-1 states depth j has not cached yet
         m, s = paths.shape[0], n - known  # s: positions known..n-1 read drafts (j = 1: none)
@@ -332,7 +330,7 @@ class MTPHead(DraftHead):
         pos = torch.arange(known, n, device=dev)  # [s]
         emb = self.embed_tokens(paths[:, pos + j - n - 1])  # [m, s, d]: position t reads d_{t+j-n}
         h_prev = torch.cat([self._rows[j - 1].expand(m, -1, -1), spec_below], 1)  # [m, s, d]: known rows, then the path's
-        cos, sin = self.rotary(pos.repeat(m)[None])
+        cos, sin = (t.repeat(1, 1, m, 1) for t in self.rotary(range(known, n)))  # [1, 1, m·s, hd]
         own = torch.block_diag(*[torch.ones(s, s, dtype=torch.bool, device=dev).tril()] * m)  # [m·s, m·s]
         mask = torch.cat([torch.ones(m * s, cache.n, dtype=torch.bool, device=dev), own], 1)  # cache + own rows
         o, _, _ = mod(h_prev.reshape(1, m * s, -1), emb.reshape(1, m * s, -1), cos, sin, cache, mask)
