@@ -3,9 +3,14 @@
 Expected tokens of a round with draft length k: ``τ(k) = 1 + Σ_{i<=k} Π_{j<=i} a_j`` (a_j: the drafter's
 conditional acceptance at position j); its cost in units of one plain step: ``T(1+k)/T(1) + (c0 + k·c)`` (the
 target's verify curve, measured once by :func:`eval.planner.verify_costs`, and the drafter's measured seconds
-per round over T(1), fitted as c0 + k·c by least squares over the rounds so far: a fixed part, such as the
-``commit`` forward after each verify or a block drafter's one forward for the whole block, and a part per
-drafted token; until two lengths were tried, all of it per token). Acceptance is learnt while decoding:
+per round over T(1), fitted as c0 + k·c by least squares: a fixed part, such as the ``commit`` forward after each
+verify or a block drafter's one forward for the whole block, and a part per drafted token; until two lengths were
+tried, all of it per token). The fit runs through each length's *median* over its last ``WINDOW`` rounds, weighted
+by their count, and a prompt's first round is left out: that round also catches the drafter up on the whole
+prompt (MTP runs every depth over it), and the rounds after a long stretch at a shorter length catch deeper MTP
+depths up on the positions they missed. Such rounds cost several ordinary ones; in a plain least-squares sum a
+few of them at the longer lengths tilted the slope enough to hold a head at k=1 for a whole prompt set (MTP on
+HumanEval: 883 of 957 rounds at k=1 with acceptance 0.87, 0.87, 0.94). Acceptance is learnt while decoding:
 position j's accepted/reached counts give a Beta(1 + accepted, 1 + rejected) posterior, and each round k is chosen for a_j *drawn* from those posteriors
 (Thompson sampling), not for their means. With the means alone, a position that failed a few early tries looks
 bad, k stops reaching it, and its estimate is never corrected (a head whose position-2 acceptance was 0.8 could
@@ -22,6 +27,8 @@ draft's seconds per level (one draft forward of the level's nodes) over T(1).
 from __future__ import annotations
 
 import random
+import statistics
+from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,6 +37,8 @@ if TYPE_CHECKING:
 
 class AutoK:
     """One per (drafter, temperature); pass it as ``k`` to :meth:`eval.decoder.SpeculativeDecoder.generate`."""
+
+    WINDOW = 32  # rounds per length whose median draft time enters the cost fit
 
     def __init__(self, verify_ratio: list[float], t1: float, max_k: int | None = None, tree: "TreeSpec | None" = None,
                  explore: bool = True, seed: int = 0):
@@ -45,7 +54,7 @@ class AutoK:
         self.nodes_seen: dict[int, list[float]] = {}  # k -> [sum of verified nodes, rounds]
         self.reached = [0] * self.max_k
         self.accepted = [0] * self.max_k
-        self.fit = [0.0] * 5  # over rounds: n, Σk, Σk², Σs, Σk·s (k: drafted tokens or levels, s: draft seconds)
+        self.times: dict[int, deque] = {}  # drafted tokens (tree: levels) → draft seconds of its last WINDOW rounds
         self.chosen: list[int] = []
         self.rng = random.Random(seed) if explore else None
 
@@ -58,6 +67,17 @@ class AutoK:
         if self.rng is None:
             return self.acceptance()
         return [self.rng.betavariate(a + 1, r - a + 1) for a, r in zip(self.accepted, self.reached)]
+
+    @property
+    def fit(self) -> list[float]:
+        """Sums for the cost fit, over the lengths seen, each length's median draft seconds m_k weighted by its
+        round count w_k: [Σw, Σw·k, Σw·k², Σw·m_k, Σw·k·m_k]."""
+        out = [0.0] * 5
+        for k, ts in self.times.items():
+            w, m = len(ts), statistics.median(ts)
+            for i, v in enumerate((w, w * k, w * k * k, w * m, w * k * m)):
+                out[i] += v
+        return out
 
     def draft_cost(self) -> float:
         """Seconds per drafted token over T(1) (0 until measured)."""
@@ -114,9 +134,11 @@ class AutoK:
         self.chosen.append(k)
         return k
 
-    def update(self, reached: int, accepted: int, draft_s: float, drafted: int, nodes: int | None = None) -> None:
+    def update(self, reached: int, accepted: int, draft_s: float, drafted: int, nodes: int | None = None,
+               timed: bool = True) -> None:
         """After a round: positions 1..``reached`` were proposed and reached, the first ``accepted`` accepted;
-        ``drafted`` tokens (tree: levels) cost ``draft_s``; ``nodes`` tokens were verified (default ``drafted``)."""
+        ``drafted`` tokens (tree: levels) cost ``draft_s``; ``nodes`` tokens were verified (default ``drafted``).
+        ``timed=False``: the round's time is not a usual round's (a prompt's first) and stays out of the cost fit."""
         if self.chosen:
             seen = self.nodes_seen.setdefault(self.chosen[-1], [0.0, 0])
             seen[0] += drafted if nodes is None else nodes
@@ -126,5 +148,5 @@ class AutoK:
                 break
             self.reached[i] += 1
             self.accepted[i] += int(i < accepted)
-        for i, v in enumerate((1.0, drafted, drafted * drafted, draft_s, drafted * draft_s)):
-            self.fit[i] += v
+        if timed:
+            self.times.setdefault(drafted, deque(maxlen=self.WINDOW)).append(draft_s)

@@ -254,7 +254,8 @@ class SpeculativeDecoder:
             drafter.commit(block[0, keep], _rows(vout, keep))
             stats.t_draft += time.perf_counter() - t4
             if auto:
-                k.update(reached, n, stats.t_draft - t_draft_before, reached if is_tree else draft.numel(), draft.numel())
+                k.update(reached, n, stats.t_draft - t_draft_before, reached if is_tree else draft.numel(), draft.numel(),
+                         timed=stats.passes > 1)  # the first round also caught the drafter up on the prompt
         stats.new_tokens = len(new)
         stats.t_total = time.perf_counter() - t0
         return new, stats

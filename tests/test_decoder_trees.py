@@ -294,6 +294,30 @@ def test_auto_k_fits_a_fixed_and_a_per_token_draft_cost():
     assert max(range(1, 9), key=flat.value) < 8
 
 
+def test_auto_k_cost_ignores_rare_slow_rounds_and_each_prompts_first(target):
+    """The cost fit runs through each length's median: a few slow rounds at k=3 (catch-up work, such as MTP's deeper
+    depths after a stretch at k=1) leave c0 + k·c where the usual rounds put it, where a least-squares sum over
+    every round took them as the price of k=3. The decoder leaves each prompt's first round (which also reads the
+    prompt) out of the fit."""
+    from eval.autok import AutoK
+
+    ratio = [1.0, 1.05, 1.1, 1.15, 1.2]
+    auto = AutoK(ratio, t1=1.0)
+    for _ in range(20):
+        auto.update(reached=1, accepted=1, draft_s=0.1, drafted=1)
+        auto.update(reached=3, accepted=3, draft_s=0.3, drafted=3)
+    for _ in range(4):
+        auto.update(reached=3, accepted=3, draft_s=3.0, drafted=3)  # 4 of 24 rounds at k=3 ten times slower
+    assert [auto.round_cost(k) for k in (1, 3)] == pytest.approx([0.1, 0.3])
+    ignored = AutoK(ratio, t1=1.0)
+    ignored.update(reached=3, accepted=3, draft_s=3.0, drafted=3, timed=False)
+    assert ignored.fit == [0.0] * 5 and ignored.reached[:3] == [1, 1, 1]  # acceptance still counts
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    auto = AutoK(ratio, t1=1.0)
+    passes = sum(dec.generate(p, Oracle(target.model, 0.0), k=auto, max_new_tokens=12)[1].passes for p in PROMPTS[:2])
+    assert sum(len(t) for t in auto.times.values()) == passes - 2
+
+
 def test_auto_depth_trees_are_lossless_and_follow_acceptance(target):
     """k=auto with a tree: k is the tree's depth, chosen every round against the verify cost at the node count
     measured for that depth (before any round: what the budget and top-k allow); greedy output stays identical."""
