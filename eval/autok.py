@@ -8,9 +8,10 @@ verify or a block drafter's one forward for the whole block, and a part per draf
 tried, all of it per token). The fit runs through each length's *median* over its last ``WINDOW`` rounds, weighted
 by their count, and a prompt's first round is left out: that round also catches the drafter up on the whole
 prompt (MTP runs every depth over it), and the rounds after a long stretch at a shorter length catch deeper MTP
-depths up on the positions they missed. Such rounds cost several ordinary ones; in a plain least-squares sum a
-few of them at the longer lengths tilted the slope enough to hold a head at k=1 for a whole prompt set (MTP on
-HumanEval: 883 of 957 rounds at k=1 with acceptance 0.87, 0.87, 0.94). Acceptance is learnt while decoding:
+depths up on the positions they missed. Such rounds cost several ordinary ones (MTP's first rounds: 1.8–3.3 T(1)
+against 0.65–0.94 for a usual 3-token round); in a plain least-squares sum a few of them at the longer lengths can
+tilt the slope, and one evaluation under that fit held MTP at k=1 for a whole prompt set (HumanEval: 883 of 957
+rounds at k=1 with acceptance 0.87, 0.87, 0.94). Acceptance is learnt while decoding:
 position j's accepted/reached counts give a Beta(1 + accepted, 1 + rejected) posterior, and each round k is chosen for a_j *drawn* from those posteriors
 (Thompson sampling), not for their means. With the means alone, a position that failed a few early tries looks
 bad, k stops reaching it, and its estimate is never corrected (a head whose position-2 acceptance was 0.8 could
@@ -55,6 +56,7 @@ class AutoK:
         self.reached = [0] * self.max_k
         self.accepted = [0] * self.max_k
         self.times: dict[int, deque] = {}  # drafted tokens (tree: levels) → draft seconds of its last WINDOW rounds
+        self._fit: list[float] | None = None  # the sums of ``fit``, until the next timed update
         self.chosen: list[int] = []
         self.rng = random.Random(seed) if explore else None
 
@@ -72,12 +74,13 @@ class AutoK:
     def fit(self) -> list[float]:
         """Sums for the cost fit, over the lengths seen, each length's median draft seconds m_k weighted by its
         round count w_k: [Σw, Σw·k, Σw·k², Σw·m_k, Σw·k·m_k]."""
-        out = [0.0] * 5
-        for k, ts in self.times.items():
-            w, m = len(ts), statistics.median(ts)
-            for i, v in enumerate((w, w * k, w * k * k, w * m, w * k * m)):
-                out[i] += v
-        return out
+        if self._fit is None:
+            self._fit = [0.0] * 5
+            for k, ts in self.times.items():
+                w, m = len(ts), statistics.median(ts)
+                for i, v in enumerate((w, w * k, w * k * k, w * m, w * k * m)):
+                    self._fit[i] += v
+        return self._fit
 
     def draft_cost(self) -> float:
         """Seconds per drafted token over T(1) (0 until measured)."""
@@ -150,3 +153,4 @@ class AutoK:
             self.accepted[i] += int(i < accepted)
         if timed:
             self.times.setdefault(drafted, deque(maxlen=self.WINDOW)).append(draft_s)
+            self._fit = None
