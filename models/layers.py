@@ -59,7 +59,7 @@ class Rotary(nn.Module):
         """cos, sin [1, 1, N ≥ n, hd] of positions 0..N−1 (computed again after inv_freq was moved, cast or written)."""
         t = self._tables
         if t is None or t[0] is not self.inv_freq or t[1] != self.inv_freq._version or t[2].shape[2] < n:
-            size = max(256, 2 * n) if t is None or t[2].shape[2] < n else t[2].shape[2]
+            size = max(256, 2 * n, 0 if t is None else t[2].shape[2])
             cos, sin = self(torch.arange(size, device=self.inv_freq.device)[None])
             self._tables = t = (self.inv_freq, self.inv_freq._version, cos, sin)
         return t[2], t[3]
