@@ -197,9 +197,10 @@ class SpeculativeDecoder:
             _record_top(stats, logits, 1, record_top)
         new = [first]
         cached = ids.shape[1]  # tokens in the target cache
+        longest = getattr(drafter, "max_draft", None) or max_new_tokens  # k=auto chooses no longer draft than the drafter makes
         while len(new) < max_new_tokens and new[-1] not in self.eos:
             budget = max_new_tokens - len(new)
-            kk = k.choose(budget - 1) if auto else min(k, budget - 1)  # the pass also yields a bonus token
+            kk = k.choose(min(budget - 1, longest)) if auto else min(k, budget - 1)  # the pass also yields a bonus token
             t1 = time.perf_counter()
             if kk <= 0:
                 prop = Proposal(torch.empty(0, dtype=torch.long))

@@ -57,7 +57,7 @@ def test_propose_equals_the_teacher_forced_training_forward(cfg_path):
         torch.testing.assert_close(sampled.probs.float(), torch.softmax(tf, -1), atol=2e-5, rtol=1e-4)
         # T=0 on the head itself: the drafted tokens are the training forward's argmax
         drafts = head.propose(pending, k, Sampler()).tokens
-        assert 1 <= drafts.numel() <= k
+        assert 1 <= drafts.numel() <= min(k, head.max_draft or k)
         seq = torch.cat([ids, torch.tensor([pending]), drafts])
         tf = head.teacher_forced_logits(seq[None], target(seq[None]), at, drafts.numel())
         assert tf.argmax(-1).tolist() == drafts.tolist(), f"round {round_}: decode {drafts.tolist()} != train {tf.argmax(-1).tolist()}"

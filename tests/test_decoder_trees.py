@@ -241,6 +241,27 @@ def test_auto_k_is_lossless_and_follows_acceptance(target):
         assert (common >= 4) if long else (auto.chosen[-10:] == [1] * 10), auto.chosen
 
 
+def test_auto_k_stays_within_the_drafters_longest_draft(target):
+    """A drafter that drafts at most ``max_draft`` tokens (MTP: one per module; a block drafter: its block) is never
+    asked for more by k=auto, where always-right drafts and a cheap verify curve would otherwise choose longer."""
+    from eval.autok import AutoK
+
+    class Short(Oracle):
+        max_draft = 2
+
+        def propose(self, pending, k, sampler):
+            return super().propose(pending, min(k, self.max_draft), sampler)
+
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    ratio = [1.0 + 0.01 * i for i in range(9)]
+    for cap, drafter in ((2, Short(target.model, 0.0)), (8, Oracle(target.model, 0.0))):
+        auto = AutoK(ratio, t1=1e6)
+        for prompt in PROMPTS:
+            out, _ = dec.generate(prompt, drafter, k=auto, max_new_tokens=30)
+            assert out == plain_greedy(target.model, prompt, 30)
+        assert max(auto.chosen) == cap, auto.chosen
+
+
 @pytest.mark.parametrize("explore", [True, False])
 def test_auto_k_recovers_from_unlucky_early_rounds(explore):
     """A drafter whose every position is accepted with probability 0.8, after three early rounds in which position

@@ -62,6 +62,12 @@ class DraftHead(nn.Module):
         """How many tokens the head drafts per round (the K of the per-step accuracies)."""
         raise NotImplementedError
 
+    @property
+    def max_draft(self) -> int | None:
+        """The most tokens ``propose`` drafts whatever k is asked (a tree: the most levels); None: no limit.
+        ``k=auto`` chooses no more than this."""
+        return None
+
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
         """What decoding must reproduce: the training forward's logits [steps, V] (target vocabulary; −inf
         where the head cannot draft) for tokens ``at+2 .. at+1+steps`` of ``ids`` [1, T], teacher-forced

@@ -128,6 +128,10 @@ class DFlashHead(DraftHead):
     def num_steps(self) -> int:
         return self.block_size - 1
 
+    @property
+    def max_draft(self) -> int:
+        return self.block_size - 1  # the anchor slot holds the pending token
+
     def decoder_layer(self) -> nn.Module:
         return self.layers[0]
 
@@ -234,7 +238,7 @@ class DFlashHead(DraftHead):
 
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
-        k = min(k, self.block_size - 1)
+        k = min(k, self.max_draft)
         logits = self.lm_head(self._full_block(pending)[1: 1 + k])  # [k, V]
         tokens, q = draw(logits, sampler)  # [k], [k, V] or None
         return Proposal(tokens, q)
@@ -249,4 +253,4 @@ class DFlashHead(DraftHead):
             depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth
             return logits[depth].expand(len(nodes), -1)  # [len(nodes), V]
 
-        return grow_tree(logits[0], expand, replace(tree, depth=min(tree.depth, self.block_size - 1)), sampler)
+        return grow_tree(logits[0], expand, replace(tree, depth=min(tree.depth, self.max_draft)), sampler)

@@ -80,7 +80,8 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """What the decoder needs from a drafter (a trained head, n-gram lookup, a small LM...)."""
+    """What the decoder needs from a drafter (a trained head, n-gram lookup, a small LM...). Optional: an attribute
+    ``max_draft`` (int or None), the most tokens (tree: levels) it ever drafts, which ``k=auto`` does not exceed."""
 
     def start(self, prompt_ids: torch.Tensor, feats: TargetOutput) -> None: ...
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal: ...

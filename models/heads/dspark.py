@@ -54,6 +54,10 @@ class DSparkHead(DFlashHead):
     def num_steps(self) -> int:
         return self.block_size
 
+    @property
+    def max_draft(self) -> int:
+        return self.block_size
+
     def serving_dims(self) -> dict:
         return super().serving_dims() | {"markov_rank": self.markov_in.embedding_dim}
 
@@ -100,7 +104,7 @@ class DSparkHead(DFlashHead):
 
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
-        k = min(k, self.block_size)
+        k = min(k, self.max_draft)
         h = self._full_block(pending)[:k]  # [k, d]: the whole block as in training, its first k slots
         base = self.lm_head(h)  # [k, V]
         prev, run = pending, 1.0
@@ -133,4 +137,4 @@ class DSparkHead(DFlashHead):
             return children_of(int(node_depths(parents)[nodes[0]]), tokens[nodes])
 
         root = children_of(0, torch.tensor([pending]))[0]  # [V]
-        return grow_tree(root, expand, replace(tree, depth=min(tree.depth, self.block_size)), sampler)
+        return grow_tree(root, expand, replace(tree, depth=min(tree.depth, self.max_draft)), sampler)

@@ -58,6 +58,10 @@ class MedusaHead(DraftHead):
     def num_steps(self) -> int:
         return len(self.heads)
 
+    @property
+    def max_draft(self) -> int:
+        return self.num_steps  # one head per drafted token
+
     def logits(self, h: torch.Tensor) -> list[torch.Tensor]:
         """h [..., d] → one [..., V] per head."""
         h = h.to(self.heads[0].weight.dtype)
@@ -106,4 +110,4 @@ class MedusaHead(DraftHead):
             depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth
             return heads[depth].expand(len(nodes), -1)  # [len(nodes), V]
 
-        return grow_tree(heads[0], expand, replace(tree, depth=min(tree.depth, len(heads))), sampler)
+        return grow_tree(heads[0], expand, replace(tree, depth=min(tree.depth, self.max_draft)), sampler)

@@ -169,6 +169,10 @@ class MTPHead(DraftHead):
     def num_steps(self) -> int:
         return self.depths
 
+    @property
+    def max_draft(self) -> int | None:
+        return None if self.reuse_last_module else self.num_steps  # one module per depth
+
     def decoder_layer(self) -> nn.Module:
         return self.layers[0].block
 
@@ -270,7 +274,7 @@ class MTPHead(DraftHead):
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         n = self._ids.numel()
-        steps = k if self.reuse_last_module else min(k, self.num_steps)
+        steps = min(k, self.max_draft or k)
         seq = torch.cat([self._ids, self._ids.new_tensor([pending])])  # x_0..x_n, then the drafts as they come
         tokens, probs = [], []
         out = None  # depth j-1's states this round, at positions c_{j-1}..n-1
@@ -348,8 +352,7 @@ class MTPHead(DraftHead):
         the chain). The last n−known positions read drafts (position t: token t+j, d_1..d_{j−1} of the path) and the
         parent path's depth-(j−1) states: they run per frontier node, all nodes packed into one block whose mask lets
         each node's rows see the cache and, causally, only its own rows. Nothing speculative is cached."""
-        if not self.reuse_last_module:
-            tree = replace(tree, depth=min(tree.depth, self.num_steps))
+        tree = replace(tree, depth=min(tree.depth, self.max_draft or tree.depth))
         seq = torch.cat([self._ids, self._ids.new_tensor([pending])])  # x_0..x_n
         below, spec, root = self._tree_depth(1, seq, None, seq.new_zeros(1, 0), None)
         deepest = 1
