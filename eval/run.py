@@ -112,14 +112,15 @@ def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
     return drafter
 
 
-def load_head(path: str, target: Any, linear_dtype: str = "auto") -> Any:
+def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict | None = None) -> Any:
     """A trained draft head exported by ``python -m train`` (``run_dir/draft``). Where the target's linear layers
     go through oneDNN's packed weights (``target.fast_linear``), so do the head's: a tree level or a block drafts
     several rows at once, where MKL's product costs 2–3× one row (:mod:`models.cpu_linear`). ``linear_dtype``:
     ``auto`` (default) times each layer here on one row and keeps the fastest of MKL, fp32 and bf16 packing
     (:func:`models.cpu_linear.pack_fastest`); ``float32`` packs every layer in fp32, ``bfloat16`` in bf16 (half the
     bytes a drafted token reads; CPUs with bf16 instructions). Measure with ``eval.bench_decode``; the draft's
-    logits change in their last bits, the output does not."""
+    logits change in their last bits, the output does not. ``decode``: settings that only change how the head drafts
+    (its class's ``decode_settings``, such as DSpark's ``confidence_threshold``), replacing the exported ones."""
     from models.cpu_linear import pack_fastest, pack_linears
     from models.formats import load_draft
     from models.target import DTYPES
@@ -127,6 +128,16 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto") -> Any:
     if linear_dtype not in ("float32", "bfloat16", "auto"):
         raise UserError(f"linear_dtype={linear_dtype}: float32, bfloat16 or auto")
     head = load_draft(path, target).eval()
+    for key, value in (decode or {}).items():
+        if key not in head.decode_settings:
+            raise UserError(f"decode.{key}: not a decoding setting of {type(head).__name__} "
+                            f"(it has: {', '.join(head.decode_settings) or 'none'})")
+        old = getattr(head, key)
+        try:
+            setattr(head, key, type(old)(value))
+        except (TypeError, ValueError):
+            raise UserError(f"decode.{key}={value!r}: expected a {type(old).__name__}") from None
+        head.init_args[key] = getattr(head, key)
     if getattr(target, "packed_linears", 0):
         if linear_dtype == "auto":
             pack_fastest(head)

@@ -302,6 +302,21 @@ def test_eval_loads_a_speculators_export(target_dir, tmp_path):
     assert not loaded.training and torch.equal(loaded.fc.weight, head.fc.weight)
 
 
+def test_load_head_sets_decoding_settings_and_refuses_others(target_dir, tmp_path):
+    from eval.run import load_head
+
+    _, head = make_head("dspark", target_dir)
+    head.export(tmp_path / "draft")
+    target = FrozenTarget(str(target_dir))
+    assert load_head(str(tmp_path / "draft"), target).confidence_threshold == 0.0
+    cut = load_head(str(tmp_path / "draft"), target, decode={"confidence_threshold": 0.5})
+    assert cut.confidence_threshold == 0.5 and cut.init_args["confidence_threshold"] == 0.5
+    with pytest.raises(UserError, match=r"decode.block_size: not a decoding setting of DSparkHead \(it has: confidence_threshold\)"):
+        load_head(str(tmp_path / "draft"), target, decode={"block_size": 4})
+    with pytest.raises(UserError, match="decode.confidence_threshold='high': expected a float"):
+        load_head(str(tmp_path / "draft"), target, decode={"confidence_threshold": "high"})
+
+
 def test_load_head_packs_the_heads_linears_where_the_target_does(target_dir, tmp_path):
     from eval.run import load_head
     import torch.nn.functional as F

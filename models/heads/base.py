@@ -43,6 +43,7 @@ class DraftHead(nn.Module):
     tap_method: ClassVar[str] = "eagle3"
     needs_teacher_logits: ClassVar[bool] = False
     decode_only_state: ClassVar[tuple[str, ...]] = ()  # state that only changes how we draft: serving formats may drop it
+    decode_settings: ClassVar[tuple[str, ...]] = ()  # init arguments that only change how we draft (eval.run.load_head's ``decode``)
 
     def __init__(self, target: Any, **init_args: Any):
         super().__init__()

@@ -32,6 +32,7 @@ from models.layers import row_ce
 
 class DSparkHead(DFlashHead):
     family = "dspark"
+    decode_settings = ("confidence_threshold",)
 
     def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 32,
                  gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,

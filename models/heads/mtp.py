@@ -127,6 +127,7 @@ class MTPHead(DraftHead):
     family = "mtp"
     needs_teacher_logits = True  # accuracy against the target's own top-1 (and soft targets)
     decode_only_state = ("d2t", "t2d", "draft_head.weight")  # the draft vocabulary (vLLM drafts from the full head)
+    decode_settings = ("reuse_last_module",)
 
     def __init__(self, target: Any, num_modules: int = 3, loss_weights: list[float] | None = None, soft: bool = False,
                  reuse_last_module: bool = False, rms_eps: float = 1e-6, shared_module: bool = False,
