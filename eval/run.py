@@ -134,6 +134,8 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
                             f"(it has: {', '.join(head.decode_settings) or 'none'})")
         old = getattr(head, key)
         try:
+            if isinstance(old, bool) and not isinstance(value, bool):  # bool("false") is True
+                raise TypeError
             setattr(head, key, type(old)(value))
         except (TypeError, ValueError):
             raise UserError(f"decode.{key}={value!r}: expected a {type(old).__name__}") from None

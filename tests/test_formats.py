@@ -315,6 +315,11 @@ def test_load_head_sets_decoding_settings_and_refuses_others(target_dir, tmp_pat
         load_head(str(tmp_path / "draft"), target, decode={"block_size": 4})
     with pytest.raises(UserError, match="decode.confidence_threshold='high': expected a float"):
         load_head(str(tmp_path / "draft"), target, decode={"confidence_threshold": "high"})
+    _, mtp = make_head("mtp", target_dir)
+    mtp.export(tmp_path / "mtp")
+    assert load_head(str(tmp_path / "mtp"), target, decode={"reuse_last_module": True}).max_draft is None
+    with pytest.raises(UserError, match="decode.reuse_last_module='false': expected a bool"):
+        load_head(str(tmp_path / "mtp"), target, decode={"reuse_last_module": "false"})
 
 
 def test_load_head_packs_the_heads_linears_where_the_target_does(target_dir, tmp_path):
