@@ -27,3 +27,22 @@ def test_head_k_learns_token_t_plus_2_plus_k():
     # moving the only scored token changes which positions feed the loss: the loss follows position 7 for head 0
     feats.last_state[0, 7] += 100.0
     assert head.training_loss(b, feats).loss != out.loss
+
+
+def test_drafting_k_tokens_runs_only_the_first_k_heads():
+    """A round that drafts k < num_heads tokens computes k heads' logits, not all (k=auto at T=1 often drafts one),
+    and drafts what the full set of heads would."""
+    from models.heads.drafting import Sampler
+
+    target, head = make_head(CFG, num_heads=4)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    ids = batch(B=1, T=10)["input_ids"]
+    head.start(ids, target(ids))
+    calls = []
+    hooks = [m.register_forward_hook(lambda mod, i, o, j=j: calls.append(j)) for j, m in enumerate(head.heads)]
+    one, four = head.propose(5, 1, Sampler()), head.propose(5, 4, Sampler())
+    for x in hooks:
+        x.remove()
+    assert calls == [0, 0, 1, 2, 3]
+    assert one.tokens.tolist() == four.tokens[:1].tolist()

@@ -62,13 +62,13 @@ class MedusaHead(DraftHead):
     def max_draft(self) -> int:
         return self.num_steps  # one head per drafted token
 
-    def logits(self, h: torch.Tensor) -> list[torch.Tensor]:
-        """h [..., d] → one [..., V] per head."""
+    def logits(self, h: torch.Tensor, n: int | None = None) -> list[torch.Tensor]:
+        """h [..., d] → one [..., V] per head, for the first ``n`` heads (default: all; drafting k tokens needs k)."""
         h = h.to(self.heads[0].weight.dtype)
-        return [head(block(h)) for block, head in zip(self.blocks, self.heads)]
+        return [head(block(h)) for block, head in list(zip(self.blocks, self.heads))[:n]]
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
-        return torch.stack([lg[0, at] for lg in self.logits(feats.last_state)[:steps]]).float()
+        return torch.stack([lg[0, at] for lg in self.logits(feats.last_state, steps)]).float()
 
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
@@ -94,7 +94,7 @@ class MedusaHead(DraftHead):
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         tokens, probs = [], []
-        for logits in self.logits(self._h)[:k]:
+        for logits in self.logits(self._h, k):
             t, q = draw(logits, sampler)
             tokens.append(int(t))
             probs.append(q)
@@ -104,10 +104,11 @@ class MedusaHead(DraftHead):
     def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
         """A draft tree at most ``num_heads`` deep: the children of every node at depth d (the root: 0) come from
         head d's logits on the stored state, the same logits ``propose`` draws its token d+1 from."""
-        heads = self.logits(self._h)  # num_heads × [V]
+        tree = replace(tree, depth=min(tree.depth, self.max_draft))
+        heads = self.logits(self._h, tree.depth)  # tree.depth × [V]
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
             depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth
             return heads[depth].expand(len(nodes), -1)  # [len(nodes), V]
 
-        return grow_tree(heads[0], expand, replace(tree, depth=min(tree.depth, self.max_draft)), sampler)
+        return grow_tree(heads[0], expand, tree, sampler)
