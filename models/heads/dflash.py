@@ -247,10 +247,11 @@ class DFlashHead(DraftHead):
     def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
         """A draft tree at most B−1 deep from one block pass: slot d (1..B−1) gives the logits of every node at
         depth d, so the children of any node at depth d are drawn from slot d+1 (the slots ``propose`` uses)."""
-        logits = self.lm_head(self._full_block(pending)[1:])  # [B−1, V]: slot d at row d−1
+        tree = replace(tree, depth=min(tree.depth, self.max_draft))
+        logits = self.lm_head(self._full_block(pending)[1: 1 + tree.depth])  # [depth, V]: slot d at row d−1
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
             depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth
             return logits[depth].expand(len(nodes), -1)  # [len(nodes), V]
 
-        return grow_tree(logits[0], expand, replace(tree, depth=min(tree.depth, self.max_draft)), sampler)
+        return grow_tree(logits[0], expand, tree, sampler)

@@ -129,7 +129,8 @@ class DSparkHead(DFlashHead):
         """A draft tree at most B deep from one block pass: a node at depth d (the root, the pending token: 0)
         with token x gets its children from ``base[d] + W2(W1[x])``, the logits ``propose`` uses after x.
         ``confidence_threshold`` is ignored (see the module docstring): set ``tree.min_prob`` for adaptive length."""
-        base = self.lm_head(self._full_block(pending))  # [B, V]: slot d predicts the token at depth d+1
+        tree = replace(tree, depth=min(tree.depth, self.max_draft))
+        base = self.lm_head(self._full_block(pending)[: tree.depth])  # [depth, V]: slot d predicts the token at depth d+1
 
         def children_of(depth: int, tokens: torch.Tensor) -> torch.Tensor:  # tokens [n] at `depth` → [n, V]
             return base[depth] + self.markov_out(self.markov_in.weight[tokens.to(base.device)])
@@ -138,4 +139,4 @@ class DSparkHead(DFlashHead):
             return children_of(int(node_depths(parents)[nodes[0]]), tokens[nodes])
 
         root = children_of(0, torch.tensor([pending]))[0]  # [V]
-        return grow_tree(root, expand, replace(tree, depth=min(tree.depth, self.max_draft)), sampler)
+        return grow_tree(root, expand, tree, sampler)
