@@ -15,14 +15,17 @@ Decoding: every head is also a :class:`models.heads.drafting.Drafter` (``start``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from data.errors import UserError, atomic_dir
+
+if TYPE_CHECKING:
+    from models.heads.trees import TreeSpec
 
 FORMAT = "draftsmith-draft/1"
 
@@ -68,6 +71,11 @@ class DraftHead(nn.Module):
         """The most tokens ``propose`` drafts whatever k is asked (a tree: the most levels); None: no limit.
         ``k=auto`` chooses no more than this."""
         return None
+
+    def within_reach(self, tree: TreeSpec) -> TreeSpec:
+        """``tree`` no deeper than :attr:`max_draft` (what ``propose_tree`` grows)."""
+        cap = self.max_draft
+        return tree if cap is None or tree.depth <= cap else replace(tree, depth=cap)
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
         """What decoding must reproduce: the training forward's logits [steps, V] (target vocabulary; −inf

@@ -19,7 +19,6 @@ bidirectional: a shorter block of MASKs is another input). Train with the larges
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -247,7 +246,7 @@ class DFlashHead(DraftHead):
     def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
         """A draft tree at most B−1 deep from one block pass: slot d (1..B−1) gives the logits of every node at
         depth d, so the children of any node at depth d are drawn from slot d+1 (the slots ``propose`` uses)."""
-        tree = replace(tree, depth=min(tree.depth, self.max_draft))
+        tree = self.within_reach(tree)
         logits = self.lm_head(self._full_block(pending)[1: 1 + tree.depth])  # [depth, V]: slot d at row d−1
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

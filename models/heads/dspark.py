@@ -16,7 +16,6 @@
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -129,7 +128,7 @@ class DSparkHead(DFlashHead):
         """A draft tree at most B deep from one block pass: a node at depth d (the root, the pending token: 0)
         with token x gets its children from ``base[d] + W2(W1[x])``, the logits ``propose`` uses after x.
         ``confidence_threshold`` is ignored (see the module docstring): set ``tree.min_prob`` for adaptive length."""
-        tree = replace(tree, depth=min(tree.depth, self.max_draft))
+        tree = self.within_reach(tree)
         base = self.lm_head(self._full_block(pending)[: tree.depth])  # [depth, V]: slot d predicts the token at depth d+1
 
         def children_of(depth: int, tokens: torch.Tensor) -> torch.Tensor:  # tokens [n] at `depth` → [n, V]

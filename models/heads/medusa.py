@@ -11,7 +11,6 @@ node of a level has the same candidates (Medusa's tree of top-k products, here g
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -104,7 +103,7 @@ class MedusaHead(DraftHead):
     def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
         """A draft tree at most ``num_heads`` deep: the children of every node at depth d (the root: 0) come from
         head d's logits on the stored state, the same logits ``propose`` draws its token d+1 from."""
-        tree = replace(tree, depth=min(tree.depth, self.max_draft))
+        tree = self.within_reach(tree)
         heads = self.logits(self._h, tree.depth)  # tree.depth × [V]
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

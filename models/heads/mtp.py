@@ -52,7 +52,6 @@ input_proj/final_layernorm (:mod:`models.formats`).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -353,7 +352,7 @@ class MTPHead(DraftHead):
         the chain). The last n−known positions read drafts (position t: token t+j, d_1..d_{j−1} of the path) and the
         parent path's depth-(j−1) states: they run per frontier node, all nodes packed into one block whose mask lets
         each node's rows see the cache and, causally, only its own rows. Nothing speculative is cached."""
-        tree = replace(tree, depth=min(tree.depth, self.max_draft or tree.depth))
+        tree = self.within_reach(tree)
         seq = torch.cat([self._ids, self._ids.new_tensor([pending])])  # x_0..x_n
         below, spec, root = self._tree_depth(1, seq, None, seq.new_zeros(1, 0), None)
         deepest = 1
