@@ -2,6 +2,7 @@
 
     python -m data.regenerate                                     # embedded target, ShareGPT train split
     python -m data.regenerate data.max_conversations=500 temperature=0 max_new_tokens=256 out_dir=runs/regen
+    python -m data.regenerate data.max_conversations=500 first_conversation=1500   # the next 500 prompts
 
 Drafters learn best from the target's own outputs (DFlash, EAGLE-3). Turn by turn, every user turn is
 kept and each assistant turn is replaced by the target's answer to the conversation so far (which
@@ -96,14 +97,20 @@ def main(cfg: DictConfig) -> None:
 
     if cfg.temperature < 0:
         raise UserError(f"temperature={cfg.temperature}: must be >= 0")
+    if cfg.first_conversation < 0:
+        raise UserError(f"first_conversation={cfg.first_conversation}: must be >= 0 (an index into the {cfg.split} split)")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(cfg.target.name_or_path)
     model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.target.name_or_path), dtype=resolve_dtype(cfg.target.dtype)).eval()
     torch.manual_seed(cfg.seed)
     ds = load_conversations(cfg.data.source, cfg.split, cfg.data.heldout_fraction)
-    if cfg.data.max_conversations:
-        ds = ds.select(range(min(cfg.data.max_conversations, len(ds))))
+    first = cfg.first_conversation
+    if first > len(ds):
+        raise UserError(f"first_conversation={first}: the {cfg.split} split has {len(ds)} conversations")
+    last = min(first + cfg.data.max_conversations, len(ds)) if cfg.data.max_conversations else len(ds)
+    if (first, last) != (0, len(ds)):
+        ds = ds.select(range(first, last))
     done = finished_ids(out_dir)
     todo = [{"id": r["id"], "messages": r["messages"]} for r in ds if r["id"] not in done]
     if cfg.max_prompt_tokens:  # a first prompt longer than this is skipped (it would dominate a batch's cost)

@@ -17,6 +17,7 @@ def run(*args, cwd=ROOT):
     (["data.prepare", "target.name_or_path=/nonexistent/model"], "/nonexistent/model"),
     (["data.prepare", "data.truncation=middle"], "truncation"),
     (["data.regenerate", "temperature=-1"], "temperature"),
+    (["data.regenerate", "first_conversation=-1"], "first_conversation"),
     (["train.embedded_target", "ckpt_path=/nonexistent.ckpt", "experiment_target=micro", "run_dir=/tmp/ds-cli-test"], "ckpt_path"),
 ])
 def test_one_line_errors(args, expect):
