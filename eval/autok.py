@@ -19,6 +19,14 @@ stay at k=1 for a whole run); drawing keeps trying a position in proportion to t
 settles on the best k as the counts grow. k never goes below 1, so acceptance keeps being measured; choosing k
 does not change the output (the decoder stays lossless for any k). Draws come from a seeded generator.
 
+The verify curve is learnt while decoding too. The curve measured at the start is one short benchmark, and one
+disturbance during it is enough to mislead every round after (a run whose curve read 1.18 at d = 3 instead of about
+1.05 drafted 2 tokens in 711 of 723 rounds where its neighbours drafted 5, τ 2.59 against 3.79, same head and
+code). Each round's verify seconds join a window per verified size, and a size with ``MIN_VERIFY`` rounds takes
+the median of its window (over T(1) of the start); a size not learnt yet is taken to cost what the largest learnt
+size below it costs (the least it can), so every size that could pay is tried a few times and then known (see
+:attr:`AutoK.curve`).
+
 With a tree (a drafter entry with both ``tree:`` and ``k: auto``) k is the tree's depth: the budget, top-k and
 min_prob stay as configured and each round grows a tree at most k levels deep. a_j is then the chance that the
 accepted path, having reached depth j−1, reaches depth j; the verify cost is the curve at the round's node count
@@ -39,12 +47,14 @@ if TYPE_CHECKING:
 class AutoK:
     """One per (drafter, temperature); pass it as ``k`` to :meth:`eval.decoder.SpeculativeDecoder.generate`."""
 
-    WINDOW = 32  # rounds per length whose median draft time enters the cost fit
+    WINDOW = 32  # rounds per length whose median draft time enters the cost fit (and per size, verify time)
+    MIN_VERIFY = 4  # rounds at a verify size before its own median replaces the start curve there
 
     def __init__(self, verify_ratio: list[float], t1: float, max_k: int | None = None, tree: "TreeSpec | None" = None,
-                 explore: bool = True, seed: int = 0):
+                 explore: bool = True, seed: int = 0, learn_verify: bool = True):
         """``verify_ratio[d]`` = T(1+d)/T(1) for d = 0..; ``t1`` = T(1) in seconds; ``max_k`` caps k (default: the
-        curve; with ``tree`` its depth); ``explore=False`` chooses for the posterior means (no exploration)."""
+        curve; with ``tree`` its depth); ``explore=False`` chooses for the posterior means (no exploration);
+        ``learn_verify=False`` keeps the start curve (the verify seconds passed to :meth:`update` are ignored)."""
         if not verify_ratio or verify_ratio[0] <= 0:
             raise ValueError("verify_ratio must start with T(1)/T(1) = 1")
         self.ratio = list(verify_ratio)
@@ -57,6 +67,9 @@ class AutoK:
         self.accepted = [0] * self.max_k
         self.times: dict[int, deque] = {}  # drafted tokens (tree: levels) → draft seconds of its last WINDOW rounds
         self._fit: list[float] | None = None  # the sums of ``fit``, until the next timed update
+        self.learn_verify = learn_verify
+        self.verify_times: dict[int, deque] = {}  # drafted tokens verified → verify seconds of its last WINDOW rounds
+        self._curve: list[float] | None = None  # ``curve``, until the next verify time
         self.chosen: list[int] = []
         self.rng = random.Random(seed) if explore else None
 
@@ -111,12 +124,41 @@ class AutoK:
         t = self.tree
         return k if t is None else min(t.budget, t.topk + (k - 1) * t.topk ** 2)
 
+    @property
+    def curve(self) -> list[float]:
+        """T(1+d)/T(1) for d = 0..: a size verified in ``MIN_VERIFY`` rounds or more → the median of its last
+        ``WINDOW`` verify times over ``t1``. A size not learnt yet above a learnt one → the largest learnt value
+        below it: a verify curve does not fall with size, so that is the least it can cost, and the optimism gets it
+        tried ``MIN_VERIFY`` times and corrected (the start curve scaled by the learnt sizes kept a size the start
+        overrated unchosen for good). Below every learnt size → the start curve times the count-weighted mean of
+        learnt over start, at most the next learnt value. Before anything is learnt: the start curve."""
+        if self._curve is None:
+            learnt = {d: statistics.median(ts) / self.t1 for d, ts in self.verify_times.items()
+                      if len(ts) >= self.MIN_VERIFY and d < len(self.ratio)}
+            if not learnt:
+                self._curve = list(self.ratio)
+                return self._curve
+            w = {d: len(self.verify_times[d]) for d in learnt}
+            scale = sum(w[d] * learnt[d] / self.ratio[d] for d in learnt) / sum(w.values())
+            curve, floor = [], None
+            for d, r in enumerate(self.ratio):
+                if d in learnt:
+                    floor = learnt[d] if floor is None else max(floor, learnt[d])
+                    curve.append(learnt[d])
+                elif floor is not None:
+                    curve.append(floor)
+                else:
+                    curve.append(min(r * scale, learnt[min(learnt)]))
+            self._curve = curve
+        return self._curve
+
     def verify_ratio(self, n: float) -> float:
-        """T(1+n)/T(1), interpolated between measured sizes (the last one beyond the curve)."""
-        n = min(max(n, 0.0), len(self.ratio) - 1)
+        """T(1+n)/T(1), interpolated between sizes (the last one beyond the curve)."""
+        curve = self.curve
+        n = min(max(n, 0.0), len(curve) - 1)
         lo = int(n)
-        hi = min(lo + 1, len(self.ratio) - 1)
-        return self.ratio[lo] + (n - lo) * (self.ratio[hi] - self.ratio[lo])
+        hi = min(lo + 1, len(curve) - 1)
+        return curve[lo] + (n - lo) * (curve[hi] - curve[lo])
 
     def value(self, k: int, acceptance: list[float] | None = None) -> float:
         """Expected tokens per unit of plain-step time at draft length (tree: depth) k, for ``acceptance`` per
@@ -138,10 +180,11 @@ class AutoK:
         return k
 
     def update(self, reached: int, accepted: int, draft_s: float, drafted: int, nodes: int | None = None,
-               timed: bool = True) -> None:
+               timed: bool = True, verify_s: float | None = None) -> None:
         """After a round: positions 1..``reached`` were proposed and reached, the first ``accepted`` accepted;
-        ``drafted`` tokens (tree: levels) cost ``draft_s``; ``nodes`` tokens were verified (default ``drafted``).
-        ``timed=False``: the round's time is not a usual round's (a prompt's first) and stays out of the cost fit."""
+        ``drafted`` tokens (tree: levels) cost ``draft_s``; ``nodes`` tokens were verified (default ``drafted``) in
+        ``verify_s`` seconds (None: not measured). ``timed=False``: the round's times are not a usual round's (a
+        prompt's first) and stay out of both cost estimates."""
         if self.chosen:
             seen = self.nodes_seen.setdefault(self.chosen[-1], [0.0, 0])
             seen[0] += drafted if nodes is None else nodes
@@ -154,3 +197,7 @@ class AutoK:
         if timed:
             self.times.setdefault(drafted, deque(maxlen=self.WINDOW)).append(draft_s)
             self._fit = None
+            if verify_s is not None and self.learn_verify:
+                size = drafted if nodes is None else nodes
+                self.verify_times.setdefault(size, deque(maxlen=self.WINDOW)).append(verify_s)
+                self._curve = None

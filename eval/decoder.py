@@ -256,7 +256,7 @@ class SpeculativeDecoder:
             stats.t_draft += time.perf_counter() - t4
             if auto:
                 k.update(reached, n, stats.t_draft - t_draft_before, reached if is_tree else draft.numel(), draft.numel(),
-                         timed=stats.passes > 1)  # the first round also caught the drafter up on the prompt
+                         timed=stats.passes > 1, verify_s=t3 - t2)  # the first round also caught the drafter up on the prompt
         stats.new_tokens = len(new)
         stats.t_total = time.perf_counter() - t0
         return new, stats

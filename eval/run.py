@@ -256,7 +256,8 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                 if name != "plain" and hasattr(ks[name], "chosen"):
                     chosen = ks[name].chosen
                     row[name]["auto_k"] = {"mean": round(sum(chosen) / max(len(chosen), 1), 2),
-                                           "histogram": {str(v): chosen.count(v) for v in sorted(set(chosen))}}
+                                           "histogram": {str(v): chosen.count(v) for v in sorted(set(chosen))},
+                                           "verify_curve": [round(v, 3) for v in ks[name].curve]}  # as learnt by the end
                 if name != "plain" and temp == 0:
                     row[name]["greedy_identical"] = f"{a.identical}/{a.generations}"
                     row[name]["numerical_ties"] = a.ties
