@@ -22,10 +22,13 @@ does not change the output (the decoder stays lossless for any k). Draws come fr
 The verify curve is learnt while decoding too. The curve measured at the start is one short benchmark, and one
 disturbance during it is enough to mislead every round after (a run whose curve read 1.18 at d = 3 instead of about
 1.05 drafted 2 tokens in 711 of 723 rounds where its neighbours drafted 5, τ 2.59 against 3.79, same head and
-code). Each round's verify seconds join a window per verified size, and a size with ``MIN_VERIFY`` rounds takes
-the median of its window (over T(1) of the start); a size not learnt yet is taken to cost what the largest learnt
-size below it costs (the least it can), so every size that could pay is tried a few times and then known (see
-:attr:`AutoK.curve`).
+code). Single rounds are no better: one evaluation's verify passes of 3 drafted tokens spread from 9.4 to 16.0 ms
+between the 10th and 90th percentiles. So the cost of verifying d drafted tokens is taken as a line, α + β·d for
+d >= 1 (β >= 0), fitted by weighted least squares through the start curve's points (``PRIOR_WEIGHT`` rounds each)
+and, per size verified while decoding (``MIN_VERIFY`` rounds or more), the median of its last ``VERIFY_WINDOW``
+verify times (as many rounds each). One bad point of the start curve then moves the line a little instead of making one length look dear, the
+line soon follows the sizes decoding actually verifies (at the context decoding runs at), and sizes not tried take
+what the line says (see :attr:`AutoK.curve`).
 
 With a tree (a drafter entry with both ``tree:`` and ``k: auto``) k is the tree's depth: the budget, top-k and
 min_prob stay as configured and each round grows a tree at most k levels deep. a_j is then the chance that the
@@ -47,14 +50,17 @@ if TYPE_CHECKING:
 class AutoK:
     """One per (drafter, temperature); pass it as ``k`` to :meth:`eval.decoder.SpeculativeDecoder.generate`."""
 
-    WINDOW = 32  # rounds per length whose median draft time enters the cost fit (and per size, verify time)
-    MIN_VERIFY = 4  # rounds at a verify size before its own median replaces the start curve there
+    WINDOW = 32  # rounds per length whose median draft time enters the cost fit
+    VERIFY_WINDOW = 128  # rounds per verified size whose median verify time enters the verify line
+    PRIOR_WEIGHT = 2  # rounds each point of the start curve counts as in the verify line
+    MIN_VERIFY = 5  # rounds a verified size needs before its median enters the line (a median of 2 is their mean)
 
     def __init__(self, verify_ratio: list[float], t1: float, max_k: int | None = None, tree: "TreeSpec | None" = None,
                  explore: bool = True, seed: int = 0, learn_verify: bool = True):
         """``verify_ratio[d]`` = T(1+d)/T(1) for d = 0..; ``t1`` = T(1) in seconds; ``max_k`` caps k (default: the
         curve; with ``tree`` its depth); ``explore=False`` chooses for the posterior means (no exploration);
-        ``learn_verify=False`` keeps the start curve (the verify seconds passed to :meth:`update` are ignored)."""
+        ``learn_verify=False`` keeps the start curve point by point (no line; verify seconds given to :meth:`update`
+        are ignored)."""
         if not verify_ratio or verify_ratio[0] <= 0:
             raise ValueError("verify_ratio must start with T(1)/T(1) = 1")
         self.ratio = list(verify_ratio)
@@ -68,7 +74,7 @@ class AutoK:
         self.times: dict[int, deque] = {}  # drafted tokens (tree: levels) → draft seconds of its last WINDOW rounds
         self._fit: list[float] | None = None  # the sums of ``fit``, until the next timed update
         self.learn_verify = learn_verify
-        self.verify_times: dict[int, deque] = {}  # drafted tokens verified → verify seconds of its last WINDOW rounds
+        self.verify_times: dict[int, deque] = {}  # drafted tokens verified → verify seconds of its last rounds
         self._curve: list[float] | None = None  # ``curve``, until the next verify time
         self.chosen: list[int] = []
         self.rng = random.Random(seed) if explore else None
@@ -126,30 +132,25 @@ class AutoK:
 
     @property
     def curve(self) -> list[float]:
-        """T(1+d)/T(1) for d = 0..: a size verified in ``MIN_VERIFY`` rounds or more → the median of its last
-        ``WINDOW`` verify times over ``t1``. A size not learnt yet above a learnt one → the largest learnt value
-        below it: a verify curve does not fall with size, so that is the least it can cost, and the optimism gets it
-        tried ``MIN_VERIFY`` times and corrected (the start curve scaled by the learnt sizes kept a size the start
-        overrated unchosen for good). Below every learnt size → the start curve times the count-weighted mean of
-        learnt over start, at most the next learnt value. Before anything is learnt: the start curve."""
+        """T(1+d)/T(1) for d = 0.. (in units of the start's T(1)): d = 0 as measured at the start, d >= 1 on the line
+        α + β·d fitted by weighted least squares through the start curve (``PRIOR_WEIGHT`` each) and the median verify
+        time over ``t1`` of each size verified in ``MIN_VERIFY`` rounds or more (weighted by its rounds); β >= 0 (a verify pass does not
+        get cheaper with more tokens)."""
+        if not self.learn_verify:
+            return self.ratio
         if self._curve is None:
-            learnt = {d: statistics.median(ts) / self.t1 for d, ts in self.verify_times.items()
-                      if len(ts) >= self.MIN_VERIFY and d < len(self.ratio)}
-            if not learnt:
+            pts = [(d, r, float(self.PRIOR_WEIGHT)) for d, r in enumerate(self.ratio) if d >= 1]
+            pts += [(d, statistics.median(ts) / self.t1, float(len(ts))) for d, ts in self.verify_times.items()
+                    if d >= 1 and len(ts) >= self.MIN_VERIFY]
+            if not pts:  # a curve of T(1) alone
                 self._curve = list(self.ratio)
                 return self._curve
-            w = {d: len(self.verify_times[d]) for d in learnt}
-            scale = sum(w[d] * learnt[d] / self.ratio[d] for d in learnt) / sum(w.values())
-            curve, floor = [], None
-            for d, r in enumerate(self.ratio):
-                if d in learnt:
-                    floor = learnt[d] if floor is None else max(floor, learnt[d])
-                    curve.append(learnt[d])
-                elif floor is not None:
-                    curve.append(floor)
-                else:
-                    curve.append(min(r * scale, learnt[min(learnt)]))
-            self._curve = curve
+            n = sum(w for _, _, w in pts)
+            mx, my = sum(w * d for d, _, w in pts) / n, sum(w * r for _, r, w in pts) / n
+            var = sum(w * (d - mx) ** 2 for d, _, w in pts)
+            beta = max(sum(w * (d - mx) * (r - my) for d, r, w in pts) / var, 0.0) if var > 0 else 0.0
+            alpha = my - beta * mx
+            self._curve = [self.ratio[0]] + [alpha + beta * d for d in range(1, len(self.ratio))]
         return self._curve
 
     def verify_ratio(self, n: float) -> float:
@@ -199,5 +200,5 @@ class AutoK:
             self._fit = None
             if verify_s is not None and self.learn_verify:
                 size = drafted if nodes is None else nodes
-                self.verify_times.setdefault(size, deque(maxlen=self.WINDOW)).append(verify_s)
+                self.verify_times.setdefault(size, deque(maxlen=self.VERIFY_WINDOW)).append(verify_s)
                 self._curve = None
