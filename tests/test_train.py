@@ -138,6 +138,12 @@ def test_init_from_starts_a_run_from_an_export(tiny_target_dir, tiny_chats, tmp_
     assert report["started_from"]["init_from"] == first["export"]
     assert [r["step"] for r in report["started_from"]["validation_curve"]] == [1]
     assert report["training"]["train_tokens_including_init"] == first["train_tokens"] + second["train_tokens"]
+    # a third stage from the shipped folder sums all three (as the SmolLM2 head's stages do)
+    third = run(compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "c", steps=2)
+                              + ["draft.draft_vocab_size=40", f"init_from={tmp_path / 'shipped'}"]))
+    chained = ship(tmp_path / "c", tmp_path / "shipped2")
+    assert chained["started_from"]["started_from"]["init_from"] == first["export"]
+    assert chained["training"]["train_tokens_including_init"] == sum(r["train_tokens"] for r in (first, second, third))
     _, other, _ = build(compose_train(over[:-1] + ["draft.draft_vocab_size=30"]))
     with pytest.raises(UserError, match="init_from=.*does not fit this draft config"):
         init_from_export(other, first["export"], target)

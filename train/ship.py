@@ -71,7 +71,8 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
               "validation_curve": validation_curve(run_dir)}
     if (train_config or {}).get("init_from"):  # continued training: the run it started from, and the token-passes of both
         report["started_from"] = started_from(str(train_config["init_from"]))
-        before = report["started_from"]["training"].get("train_tokens")
+        prev = report["started_from"]["training"]  # a chain of continued runs: what the one before had already summed
+        before = prev.get("train_tokens_including_init", prev.get("train_tokens"))
         if before is not None and "train_tokens" in report["training"]:
             report["training"]["train_tokens_including_init"] = before + report["training"]["train_tokens"]
     data_cfg = (train_config or {}).get("data") or {}
