@@ -26,9 +26,9 @@ code). Single rounds are no better: one evaluation's verify passes of 3 drafted 
 between the 10th and 90th percentiles. So the cost of verifying d drafted tokens is taken as a line, α + β·d for
 d >= 1 (β >= 0), fitted by weighted least squares through the start curve's points (``PRIOR_WEIGHT`` rounds each)
 and, per size verified while decoding (``MIN_VERIFY`` rounds or more), the median of its last ``VERIFY_WINDOW``
-verify times (as many rounds each). One bad point of the start curve then moves the line a little instead of making one length look dear, the
-line soon follows the sizes decoding actually verifies (at the context decoding runs at), and sizes not tried take
-what the line says (see :attr:`AutoK.curve`).
+verify times (as many rounds each). One bad point of the start curve then moves the line a little instead of
+making one length look dear, the line soon follows the sizes decoding actually verifies (at the context decoding
+runs at), and sizes not tried take what the line says (see :attr:`AutoK.curve`).
 
 With a tree (a drafter entry with both ``tree:`` and ``k: auto``) k is the tree's depth: the budget, top-k and
 min_prob stay as configured and each round grows a tree at most k levels deep. a_j is then the chance that the
@@ -133,9 +133,9 @@ class AutoK:
     @property
     def curve(self) -> list[float]:
         """T(1+d)/T(1) for d = 0.. (in units of the start's T(1)): d = 0 as measured at the start, d >= 1 on the line
-        α + β·d fitted by weighted least squares through the start curve (``PRIOR_WEIGHT`` each) and the median verify
-        time over ``t1`` of each size verified in ``MIN_VERIFY`` rounds or more (weighted by its rounds); β >= 0 (a verify pass does not
-        get cheaper with more tokens)."""
+        α + β·d fitted by weighted least squares through the start curve (``PRIOR_WEIGHT`` each) and the median
+        verify time over ``t1`` of each size verified in ``MIN_VERIFY`` rounds or more (weighted by its rounds);
+        β >= 0 (a verify pass does not get cheaper with more tokens)."""
         if not self.learn_verify:
             return self.ratio
         if self._curve is None:
