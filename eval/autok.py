@@ -76,6 +76,7 @@ class AutoK:
         self.learn_verify = learn_verify
         self.verify_times: dict[int, deque] = {}  # drafted tokens verified → verify seconds of its last rounds
         self._curve: list[float] | None = None  # ``curve``, until the next verify time
+        self._medians: dict[int, float] = {}  # verified size → median of its window, until its next verify time
         self.chosen: list[int] = []
         self.rng = random.Random(seed) if explore else None
 
@@ -140,8 +141,11 @@ class AutoK:
             return self.ratio
         if self._curve is None:
             pts = [(d, r, float(self.PRIOR_WEIGHT)) for d, r in enumerate(self.ratio) if d >= 1]
-            pts += [(d, statistics.median(ts) / self.t1, float(len(ts))) for d, ts in self.verify_times.items()
-                    if d >= 1 and len(ts) >= self.MIN_VERIFY]
+            for d, ts in self.verify_times.items():  # one round changes one size: only its median is recomputed
+                if d >= 1 and len(ts) >= self.MIN_VERIFY:
+                    if d not in self._medians:
+                        self._medians[d] = statistics.median(ts)
+                    pts.append((d, self._medians[d] / self.t1, float(len(ts))))
             if not pts:  # a curve of T(1) alone
                 self._curve = list(self.ratio)
                 return self._curve
@@ -201,4 +205,5 @@ class AutoK:
             if verify_s is not None and self.learn_verify:
                 size = drafted if nodes is None else nodes
                 self.verify_times.setdefault(size, deque(maxlen=self.VERIFY_WINDOW)).append(verify_s)
+                self._medians.pop(size, None)
                 self._curve = None
