@@ -29,6 +29,11 @@ class FeatureSet(torch.utils.data.ConcatDataset):
 
     def __init__(self, split_dirs: list[Path], expect: dict | None = None):
         parts = [FeatureDataset(d, expect) for d in split_dirs]
+        taps = {str(p.tap_layers) for p in parts}
+        if len(taps) > 1:  # rows of one batch would not stack
+            each = ", ".join(f"{d}: {p.tap_layers}" for d, p in zip(split_dirs, parts))
+            raise UserError(f"data.feature_dir: these caches were written with different tap layers ({each}); "
+                            "write every cache with the same target.tap_layers")
         super().__init__(parts)
         self.files = [f for p in parts for f in p.files]
 

@@ -61,8 +61,10 @@ def build_target(cfg: DictConfig) -> Any:
     return target
 
 
-def identity_of(target: Any) -> dict:
-    return {"target": target.identity(), "tap_layers": list(target.tap_layers)}
+def identity_of(target: Any, taps: bool = True) -> dict:
+    """What a feature cache must match: the target, and its tap layers unless the head reads none (``taps=False``:
+    the final-norm feature every cache holds is all it reads)."""
+    return {"target": target.identity(), **({"tap_layers": list(target.tap_layers)} if taps else {})}
 
 
 @torch.no_grad()
@@ -128,7 +130,8 @@ class FeatureDataset(torch.utils.data.Dataset):
                 m = json.loads(mpath.read_text())
             except json.JSONDecodeError:
                 raise UserError(f"{mpath}: corrupted manifest; rewrite the cache with `python -m data.features`") from None
-            got = {"target": m.get("target"), "tap_layers": m.get("tap_layers")}
+            self.tap_layers = m.get("tap_layers")
+            got = {k: m.get(k) for k in (expect or {})}
             if expect is not None and got != expect:
                 diff = [k for k in ("target", "tap_layers") if got.get(k) != expect.get(k)]
                 raise UserError(f"{mpath}: feature cache was built for {diff[0]}={got.get(diff[0])}, but this run uses "

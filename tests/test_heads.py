@@ -65,6 +65,19 @@ def test_head_loss_gradients_and_frozen_parts(cfg_path):
 
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
+def test_reads_taps_says_whether_the_loss_depends_on_the_tap_states(cfg_path):
+    """``reads_taps=False`` lets a head train from a cache written with any taps: true only if its loss ignores them."""
+    from dataclasses import replace
+
+    target, head = make_head(cfg_path)
+    b = batch()
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=head.needs_teacher_logits)
+    other = replace(feats, tap_states=torch.randn_like(feats.tap_states))
+    same = torch.equal(head.training_loss(b, feats).loss, head.training_loss(b, other).loss)
+    assert same == (not head.reads_taps)
+
+
+@pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
 def test_export_load_round_trip(cfg_path, tmp_path):
     target, head = make_head(cfg_path)
     head.prepare_from_data(torch.arange(128).flip(0))

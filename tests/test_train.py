@@ -83,6 +83,37 @@ def test_offline_cache_bad_inputs(tiny_target_dir, tiny_chats, tmp_path):
         FeatureDataset(tmp_path / "empty", ident)
 
 
+def test_a_head_that_reads_no_taps_takes_any_cache_of_its_target(tiny_target_dir, tiny_chats, tmp_path):
+    """A cache written for EAGLE-3's taps trains the EAGLE-1 head (it reads the final-norm feature only), and an
+    export that recorded other taps starts it; EAGLE-3 itself still refuses a cache of other taps."""
+    from data.features import write_features
+    from train.__main__ import init_from_export
+    from train.build import build
+
+    over = train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run")
+    target, eagle3, dm = build(compose_train(over + ["target.tap_layers=[0,1]"]))
+    for split in ("train", "heldout"):
+        write_features(target, dm.split(split), tmp_path / "feat" / split)
+    eagle3.export(tmp_path / "eagle3")
+    base = [o for o in over if not o.startswith("draft.")] + ["draft=eagle", f"data.feature_dir={tmp_path / 'feat'}", "features=offline"]
+    _, eagle, dm = build(compose_train(base))
+    dm.setup()
+    assert len(dm._train) == len(dm.split("train")) and eagle.tap_layers != [0, 1]
+    eagle.export(tmp_path / "eagle")
+    target.set_tap_layers([0, 1])
+    init_from_export(eagle, str(tmp_path / "eagle"), target)  # recorded taps differ from this run's: nothing read
+    _, _, dm3 = build(compose_train(over + [f"data.feature_dir={tmp_path / 'feat'}", "features=offline"]))
+    with pytest.raises(UserError, match="tap_layers"):
+        dm3.setup()
+    # caches of other taps do not mix (their rows would not stack in one batch), even for a head that reads none
+    target.set_tap_layers([2])
+    for split in ("train", "heldout"):
+        write_features(target, dm.split(split), tmp_path / "feat2" / split)
+    _, _, mixed = build(compose_train(base[:-2] + [f"data.feature_dir=[{tmp_path / 'feat'},{tmp_path / 'feat2'}]", "features=offline"]))
+    with pytest.raises(UserError, match=r"different tap layers .*feat/train: \[0, 1\], .*feat2/train: \[2\]"):
+        mixed.setup()
+
+
 def test_offline_training_reads_several_caches(tiny_target_dir, tiny_chats, tmp_path):
     """data.feature_dir may list caches (trained on together, draft vocabulary counted over all of them);
     data.val_feature_dir picks the held-out caches."""

@@ -67,7 +67,8 @@ def check_checkpoint(ckpt: dict, path: str, module: Any) -> None:
 
 def init_from_export(head: Any, path: str, target: Any) -> None:
     """Start ``head`` from an exported draft's weights and draft vocabulary (``init_from=``): the same family, tap
-    layers and tensor shapes, or one UserError naming what differs. The new run's own schedule and data follow."""
+    layers (where the head reads them) and tensor shapes, or one UserError naming what differs. The new run's own
+    schedule and data follow."""
     from models.formats import load_draft
 
     taps = list(target.tap_layers)
@@ -76,7 +77,7 @@ def init_from_export(head: Any, path: str, target: Any) -> None:
     if type(src) is not type(head):
         raise UserError(f"init_from={path}: a {src.family} draft, but this run trains {head.family} (choose draft={src.family} "
                         "or another export)")
-    if list(src.tap_layers) != taps:
+    if head.reads_taps and list(src.tap_layers) != taps:  # a head that reads no taps only records them
         raise UserError(f"init_from={path}: trained on tap layers {src.tap_layers}, this run taps {taps} (set "
                         f"target.tap_layers={src.tap_layers})")
     mine, theirs = head.state_dict(), src.state_dict()

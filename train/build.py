@@ -21,7 +21,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     target = build_target(cfg)
     head = instantiate(cfg.draft, target=target)
     dm = instantiate(cfg.data, tokenizer=cfg.target.name_or_path)
-    dm.expect_identity = identity_of(target)
+    dm.expect_identity = identity_of(target, taps=head.reads_taps)
     return target, head, dm
 
 

@@ -3,7 +3,8 @@
 Training: ``training_loss(batch, feats)`` returns a :class:`HeadOutput` (loss plus per-step accuracy
 counts, step j = the j-th drafted token). The Lightning module owns optimisation, logging and
 checkpoints and never asks which head it holds. A head declares which target features it needs
-(``tap_method`` for the default tap layers, ``needs_teacher_logits`` for soft targets).
+(``tap_method`` for the default tap layers, ``reads_taps`` whether it reads them at all, ``needs_teacher_logits``
+for soft targets).
 
 Export: a directory with ``config.json`` (head class, constructor arguments, target identity, tap
 layers), ``model.safetensors`` and the resolved training config; :func:`models.formats.load_draft` rebuilds
@@ -44,6 +45,7 @@ class DraftHead(nn.Module):
 
     family: ClassVar[str] = "base"
     tap_method: ClassVar[str] = "eagle3"
+    reads_taps: ClassVar[bool] = True  # False: only the final-norm feature, so a cache written with any taps fits
     needs_teacher_logits: ClassVar[bool] = False
     decode_only_state: ClassVar[tuple[str, ...]] = ()  # state that only changes how we draft: serving formats may drop it
     decode_settings: ClassVar[tuple[str, ...]] = ()  # init arguments that only change how we draft (eval.run.load_head's ``decode``)

@@ -26,7 +26,8 @@ from models.layers import shift_left
 
 class EagleHead(Eagle3Head):
     family = "eagle"
-    tap_method = "last"  # recorded only: the head reads the final-norm feature (TargetOutput.last_state)
+    tap_method = "last"  # recorded only
+    reads_taps = False  # the head reads the final-norm feature (TargetOutput.last_state)
 
     def __init__(self, target: Any, feature_weight: float = 0.1, ttt_steps: int = 1, draft_vocab_size: int | None = None,
                  step_decay: float = 0.8, num_heads: int | None = None, num_kv_heads: int | None = None,

@@ -39,6 +39,7 @@ class ResBlock(nn.Module):
 
 class MedusaHead(DraftHead):
     family = "medusa"
+    reads_taps = False  # the heads read the final-norm feature
     needs_teacher_logits = True  # accuracy is measured against the target's own top-1
 
     def __init__(self, target: Any, num_heads: int = 4, num_layers: int = 1, step_decay: float = 0.8, soft: bool = False):

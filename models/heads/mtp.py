@@ -124,6 +124,7 @@ class MTPHead(DraftHead):
     ``chain_normed``: each depth hands on its final-norm output (see the layouts table above)."""
 
     family = "mtp"
+    reads_taps = False  # each depth starts from the final-norm feature
     needs_teacher_logits = True  # accuracy against the target's own top-1 (and soft targets)
     decode_only_state = ("d2t", "t2d", "draft_head.weight")  # the draft vocabulary (vLLM drafts from the full head)
     decode_settings = ("reuse_last_module",)
