@@ -15,6 +15,7 @@ decoder's numerical-tie classification (:mod:`eval.lossless`) covers that.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +34,15 @@ class PackedLinear(nn.Linear):
     """An ``nn.Linear`` sharing ``weight``/``bias`` with the layer it replaces, plus a oneDNN-packed copy of the
     weight that fp32 CPU inputs without autograd go through (packed again after the weight changed in place).
     ``dtype=torch.bfloat16`` packs a bf16 copy: half the bytes a product reads, inputs cast to bf16 and outputs
-    back to fp32 (for a draft's decoding, where the verifier keeps the output exact whatever the draft computes)."""
+    back to fp32 (for a draft's decoding, where the verifier keeps the output exact whatever the draft computes).
+    ``from_rows``: inputs of fewer rows keep MKL's product (:func:`pack_fastest` sets it where MKL wins one row and
+    the packed weight several)."""
 
-    def __init__(self, lin: nn.Linear, dtype: torch.dtype = torch.float32):
+    def __init__(self, lin: nn.Linear, dtype: torch.dtype = torch.float32, from_rows: int = 1):
         super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
         self.weight, self.bias = lin.weight, lin.bias  # the same Parameters (tied weights stay tied)
         self.__dict__["_dtype"] = dtype
+        self.__dict__["_from_numel"] = from_rows * lin.in_features
         self._pack()
 
     def _pack(self) -> None:
@@ -47,8 +51,8 @@ class PackedLinear(nn.Linear):
         self.__dict__["_bias"] = None if self.bias is None else self.bias.detach().to(self._dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.numel() == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu"
-                or torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
+        if (x.numel() == 0 or x.numel() < self._from_numel or x.dtype != torch.float32 or x.device.type != "cpu"
+                or self.weight.device.type != "cpu" or torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         if self._versions() != self._version:  # an optimiser step or load_state_dict since packing
             self._pack()
@@ -64,11 +68,12 @@ class FusedLinears:
     A one-row draft step is mostly per-call cost on these CPUs (a drafted EAGLE-3 token on SmolLM2: 8 products
     of 0.1–5 M weights, 72% of its time), so three products in one call save two calls' overhead. The packed weight
     is a copy, packed again once a source weight has changed in place (an optimiser step, ``load_state_dict``);
-    :meth:`__call__` returns None (the caller uses the separate layers) under autograd and for inputs that are not
-    fp32 on a CPU."""
+    :meth:`__call__` returns None (the caller uses the separate layers) under autograd, for inputs that are not
+    fp32 on a CPU and for inputs of fewer than ``from_rows`` rows."""
 
-    def __init__(self, *lins: nn.Linear, dtype: torch.dtype = torch.float32):
+    def __init__(self, *lins: nn.Linear, dtype: torch.dtype = torch.float32, from_rows: int = 1):
         self.lins, self.sizes, self.dtype = lins, [lin.out_features for lin in lins], dtype
+        self.from_numel = from_rows * lins[0].in_features
         self._pack()
 
     def _versions(self) -> list[int]:
@@ -85,7 +90,8 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """x [..., d_in] → one output [..., out_i] per layer, or None where the fused product must not be used."""
-        if torch.is_grad_enabled() or x.numel() == 0 or x.dtype != torch.float32 or x.device.type != "cpu":
+        if (torch.is_grad_enabled() or x.numel() == 0 or x.numel() < self.from_numel or x.dtype != torch.float32
+                or x.device.type != "cpu"):
             return None
         if self._versions() != self.versions:
             self._pack()
@@ -159,43 +165,65 @@ def _median_us(f, x: torch.Tensor, reps: int = 15) -> float:
     return sorted(ts)[reps // 2] * 1e6
 
 
-def pack_fastest(model: nn.Module, rows: int = 1) -> dict[str, int]:
+def pack_fastest(model: nn.Module, rows: tuple[int, int] = (1, 3)) -> dict[str, int]:
     """For a draft's decoding: give each plain fp32 CPU ``nn.Linear`` of ``model`` the fastest of MKL's product (left
-    as it is), a :class:`PackedLinear` in fp32 and one in bf16, timed here on ``rows`` rows, and each module's
-    ``fused_linears`` one :class:`FusedLinears` (fp32 or bf16) where that beats its layers one by one. Which is
-    fastest depends on the CPU and the shape (on a 2-core Xeon without AMX: MKL for a one-row product of up to a
-    few million weights, bf16 packing for an 8,192-row output head; on an AMD EPYC oneDNN was faster throughout),
-    so it is measured, not assumed. Returns how many layers took each choice; {} where oneDNN is missing."""
+    as it is), a :class:`PackedLinear` in fp32 or bf16, or one that keeps MKL for a single row, and each module's
+    ``fused_linears`` one :class:`FusedLinears` (fp32 or bf16, for every row count or from 2 rows) where that beats
+    its layers one by one. Each choice is timed here on one row and on ``rows[1]`` rows, and wins by the sum of the
+    two: a draft multiplies one row (a chain's step) and several (a tree level, the accepted tokens a round
+    extends the context with). Which is fastest depends on the CPU, the shape and the row count (on a 2-core AMD
+    EPYC: MKL for one row of the decoder layer's products, oneDNN's packed fp32 weight for 2–4 rows, where MKL
+    costs about twice its one-row time; packing for the output head at any row count), so it is measured, not
+    assumed. Returns how many layers took each kernel (``mkl_one_row``: packed layers that keep MKL for one row)
+    and how many modules fused; {} where oneDNN is missing."""
     if not available():
         return {}
-    counts = {"mkl": 0, "float32": 0, "bfloat16": 0, "fused": 0}
+    one, several = rows
+    counts = {"mkl": 0, "float32": 0, "bfloat16": 0, "mkl_one_row": 0, "fused": 0}
     ok = {torch.float32: None, torch.bfloat16: None}  # whether this build's kernel runs and agrees with F.linear
     gen = torch.Generator().manual_seed(0)
+
+    def timed(f: Callable, d_in: int) -> tuple[float, float]:
+        return tuple(_median_us(f, torch.randn(r, d_in, generator=gen)) for r in (one, several))
+
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
                 continue
-            x = torch.randn(rows, child.in_features, generator=gen)
-            cands: dict[str, nn.Module] = {"mkl": child}
+            t = {"mkl": timed(child, child.in_features)}
+            packed = {}
             for dt in (torch.float32, torch.bfloat16):
                 if ok[dt] is False:
                     continue
-                packed = _checked_pack(child, dt, gen) if ok[dt] is None else PackedLinear(child, dt)  # first layer: checked
-                ok[dt] = packed is not None
+                p = _checked_pack(child, dt, gen) if ok[dt] is None else PackedLinear(child, dt)  # first layer: checked
+                ok[dt] = p is not None
                 if ok[dt]:
-                    cands[str(dt).removeprefix("torch.")] = packed
-            best = min(cands, key=lambda c: _median_us(cands[c], x))
-            counts[best] += 1
-            setattr(parent, name, cands[best])
+                    packed[dt] = p
+                    t[dt] = timed(p, child.in_features)
+            # (total time, what): MKL, a packed weight for every row count, or MKL for one row and packed for more
+            cands = [(sum(t["mkl"]), None, 0)] + [c for dt in packed for c in (
+                (sum(t[dt]), dt, 1), (t["mkl"][0] + t[dt][1], dt, 2))]
+            _, dt, from_rows = min(cands, key=lambda c: c[0])
+            if dt is None:
+                counts["mkl"] += 1
+                continue
+            counts[str(dt).removeprefix("torch.")] += 1
+            counts["mkl_one_row"] += from_rows > 1
+            setattr(parent, name, PackedLinear(child, dt, from_rows) if from_rows > 1 else packed[dt])
     for m in model.modules():
         lins = [getattr(m, n) for n in getattr(m, "fused_linears", ())]
         if not lins or not all(isinstance(lin, nn.Linear) and lin.weight.dtype == torch.float32
                                 and lin.weight.device.type == "cpu" for lin in lins):
             continue
-        x = torch.randn(rows, lins[0].in_features, generator=gen)
-        cands = {"apart": None} | {dt: FusedLinears(*lins, dtype=dt) for dt in (torch.float32, torch.bfloat16) if ok[dt]}
-        best = min(cands, key=lambda c: _median_us(lambda v: [lin(v) for lin in lins] if c == "apart" else cands[c](v), x))
-        if best != "apart":
-            m.__dict__["_fused"] = cands[best]
+        apart = timed(lambda v: [lin(v) for lin in lins], lins[0].in_features)  # each layer with its own choice
+        cands = [(sum(apart), None)]
+        for dt in (torch.float32, torch.bfloat16):
+            if ok[dt]:
+                f = FusedLinears(*lins, dtype=dt)
+                tf = timed(f, lins[0].in_features)
+                cands += [(sum(tf), f), (apart[0] + tf[1], FusedLinears(*lins, dtype=dt, from_rows=2))]
+        _, best = min(cands, key=lambda c: c[0])
+        if best is not None:
+            m.__dict__["_fused"] = best
             counts["fused"] += 1
     return counts

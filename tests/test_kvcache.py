@@ -47,3 +47,25 @@ def test_packed_linears_agree_with_plain_ones():
     for n in (1, 3):
         torch.testing.assert_close(packed(ids[:, :n], return_logits=True).logits, plain(ids[:, :n], return_logits=True).logits,
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_a_packed_layer_keeps_mkl_below_its_row_count():
+    """``from_rows``: fewer rows go through F.linear bit for bit, more through the packed weight; FusedLinears
+    declines fewer rows (the caller then uses its layers one by one)."""
+    from models.cpu_linear import FusedLinears, available
+
+    if not available():
+        return
+    g = torch.Generator().manual_seed(0)
+    lin, other = torch.nn.Linear(24, 40), torch.nn.Linear(24, 8)
+    hybrid, fused = PackedLinear(lin, from_rows=2), FusedLinears(lin, other, from_rows=2)
+    with torch.no_grad():
+        one, several = torch.randn(1, 1, 24, generator=g), torch.randn(1, 3, 24, generator=g)
+        assert torch.equal(hybrid(one), torch.nn.functional.linear(one, lin.weight, lin.bias))
+        torch.testing.assert_close(hybrid(several), lin(several), rtol=1e-4, atol=1e-4)
+        packed = PackedLinear(lin)
+        assert torch.equal(hybrid(several), packed(several))  # the packed product itself, not MKL's
+        assert fused(one) is None
+        a, b = fused(several)
+        torch.testing.assert_close(a, lin(several), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b, other(several), rtol=1e-4, atol=1e-4)

@@ -27,7 +27,7 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, proposal
 from models.heads.trees import TreeSpec, ancestors, grow_tree, node_depths
-from models.heads.vocab import build_draft_vocab, choose, draft_ids, to_target
+from models.heads.vocab import build_draft_vocab, choose, draft_ids
 from models.layers import (MLP, Attention, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding,
                            row_ce, shift_left, ttt_attention)
 from models.target import rope_theta as target_rope_theta
@@ -273,8 +273,8 @@ class Eagle3Head(DraftHead):
             o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             h, logits = self.finish(hid, o)  # [1, m, d], [1, m, Vd]
             hs = torch.cat([hs, h[0]])
-            return to_target(logits[0], self.d2t, self.t2d.numel())
+            return logits[0]  # [m, Vd]: grow_tree maps draft ids to target ids
 
-        prop = grow_tree(to_target(last_logits[None], self.d2t, self.t2d.numel())[0], expand, tree, sampler)
+        prop = grow_tree(last_logits, expand, tree, sampler, vocab=(self.draft_ids(), self.t2d.numel()))
         self._ctx.keep(0)  # node keys live only in this call
         return prop

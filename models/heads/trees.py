@@ -26,35 +26,44 @@ import torch
 from models.heads.drafting import Proposal, Sampler, TreeSpec
 
 
-def children(logits: torch.Tensor, n: int, sampler: Sampler) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+def children(logits: torch.Tensor, n: int, sampler: Sampler,
+             vocab: tuple[torch.Tensor, int] | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """logits [V] → (n child tokens in draw order, their draft probabilities [n], q [V] or None).
 
     Greedy: the n most probable tokens (ties: lower id) under softmax(logits), q None. Sampling: q =
     ``sampler.probs(logits)`` and n tokens drawn from it without replacement (Gumbel-top-k), fewer when q has
-    fewer than n tokens with mass."""
+    fewer than n tokens with mass. ``vocab`` = (ids [Vd] ascending, V): the logits [Vd] are over a draft
+    vocabulary, the tokens are mapped to target ids and q (sampling) is spread over the V target ids."""
     if sampler.greedy:
         p = torch.softmax(logits.float(), -1)
         top = p.topk(min(n, p.numel())).indices
-        return top.tolist(), p[top], None
+        return (top if vocab is None else vocab[0][top]).tolist(), p[top], None
     q = sampler.probs(logits)
     n = min(n, int((q > 0).sum()))
     g = sampler.generator
     u = torch.rand(q.shape, generator=g, device=g.device if g is not None else q.device).to(q.device).clamp_(1e-20, 1 - 1e-7)
     keys = q.log() - (-u.log()).log()  # log q + Gumbel(0, 1); −inf where q = 0
     top = keys.topk(n).indices
-    return top.tolist(), q[top], q
+    if vocab is None:
+        return top.tolist(), q[top], q
+    full = q.new_zeros(vocab[1])
+    full[vocab[0]] = q
+    return vocab[0][top].tolist(), q[top], full
 
 
 Expand = Callable[[list[int], torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def grow_tree(root_logits: torch.Tensor, expand: Expand, spec: TreeSpec, sampler: Sampler) -> Proposal:
+def grow_tree(root_logits: torch.Tensor, expand: Expand, spec: TreeSpec, sampler: Sampler,
+              vocab: tuple[torch.Tensor, int] | None = None) -> Proposal:
     """Grow a draft tree (see the module docstring).
 
     ``root_logits`` [V]: the draft's logits for the first drafted token (over the target vocabulary; −inf where the
     draft cannot propose). ``expand(nodes, tokens, parents)``: the draft's logits [len(nodes), V] for the token
-    after each of these node indices, given the tokens [N] and parents [N] of the N nodes grown so far (the head
-    runs its layer on those paths). One call per level, with the level's nodes in creation order (all one depth)."""
+    after each of these node indices, given the tokens [N] and parents [N] (target ids) of the N nodes grown so far
+    (the head runs its layer on those paths). One call per level, with the level's nodes in creation order (all one
+    depth). ``vocab`` = (ids [Vd], V): the logits are over a draft vocabulary of these ascending target ids instead
+    (softmax and top-k over Vd columns, not V; the proposal is in target ids either way)."""
     tokens: list[int] = []
     parents: list[int] = []
     logp: list[float] = []
@@ -73,7 +82,7 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, spec: TreeSpec, sampler
             room = cap - len(tokens)
             if room <= 0:
                 break
-            toks, probs, q = children(frontier_logits[i], min(spec.topk, room), sampler)
+            toks, probs, q = children(frontier_logits[i], min(spec.topk, room), sampler, vocab)
             for t, pr in zip(toks, probs.tolist()):
                 new.append(len(tokens))
                 tokens.append(t)
