@@ -1,4 +1,5 @@
-"""Drafters that need no training on target features: n-gram prompt lookup and an independent small draft model."""
+"""Drafters that need no training on target features: n-gram prompt lookup and an independent small draft model;
+and a trained head with prompt lookup as one more branch of its tree (:class:`LookupUnion`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -77,3 +78,60 @@ class ModelDrafter:
             probs.append(q)
             feed = torch.tensor([[t]])
         return proposal(tokens, probs)
+
+
+class LookupUnion:
+    """A trained head's proposal plus prompt lookup's continuation as one more branch of the same tree, verified in
+    one target pass (greedy decoding only).
+
+    Prompt lookup (:class:`NGramDrafter`) is often right for many tokens in a row where the text repeats (code,
+    names and phrases of the prompt), where a head's acceptance decays with depth; elsewhere it matches little. The
+    union keeps the head's tree (or chain) as it is and walks the lookup's ``lookup_k`` tokens from the root,
+    following nodes that already hold them and adding the rest as new nodes, so a round accepts the longer of the
+    two paths. Greedy output stays the target's (any tree does). Sampling proposes the head's draft alone: the
+    decoder's recursive rejection over siblings needs the siblings drawn from one q, and the lookup's is a point
+    mass. ``min_ngram`` (of the lookup) 2 leaves out one-token matches, which are seldom right and cost verify rows."""
+
+    def __init__(self, head: Any, lookup: NGramDrafter, lookup_k: int = 5):
+        if not isinstance(lookup_k, int) or lookup_k < 1:
+            from data.errors import UserError
+            raise UserError(f"lookup_k={lookup_k}: the most tokens the lookup branch adds, an integer >= 1")
+        self.head, self.lookup, self.lookup_k = head, lookup, lookup_k
+        self.tap_layers = getattr(head, "tap_layers", None)
+        self.max_draft = getattr(head, "max_draft", None)
+        if self.tap_layers is None:
+            del self.tap_layers
+        if hasattr(head, "propose_tree"):
+            self.propose_tree = self._propose_tree
+
+    def start(self, prompt_ids: torch.Tensor, feats: TargetOutput | None) -> None:
+        self.head.start(prompt_ids, feats)
+        self.lookup.start(prompt_ids, feats)
+
+    def commit(self, tokens: torch.Tensor, feats: TargetOutput | None) -> None:
+        self.head.commit(tokens, feats)
+        self.lookup.commit(tokens, feats)
+
+    def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
+        return self._with_lookup(self.head.propose(pending, k, sampler), pending, k, sampler)
+
+    def _propose_tree(self, pending: int, tree: Any, sampler: Sampler) -> Proposal:
+        return self._with_lookup(self.head.propose_tree(pending, tree, sampler), pending, None, sampler)
+
+    def _with_lookup(self, prop: Proposal, pending: int, k: int | None, sampler: Sampler) -> Proposal:
+        if not sampler.greedy:
+            return prop
+        chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist()
+        tokens = (prop.tokens if k is None or prop.parents is not None else prop.tokens[:k]).tolist()
+        parents = prop.parents.tolist() if prop.parents is not None else list(range(-1, len(tokens) - 1))
+        n0, node = len(tokens), -1
+        for t in chain:  # follow the nodes that hold the lookup's tokens, add the rest below the last one found
+            child = next((i for i, (tok, par) in enumerate(zip(tokens, parents)) if par == node and tok == t), None)
+            if child is None:
+                tokens.append(t)
+                parents.append(node)
+                child = len(tokens) - 1
+            node = child
+        if len(tokens) == n0:
+            return prop  # nothing new: the head's own proposal, chain or tree
+        return Proposal(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(parents, dtype=torch.long))

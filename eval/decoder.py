@@ -241,7 +241,8 @@ class SpeculativeDecoder:
             if stop is not None:
                 accepted = accepted[: stop + 1]
             stats.add_round(reached, n)
-            produced = accepted + ([nxt] if stop is None else [])
+            # a drafter may propose past the budget (a lookup branch beside a head's tree): never emit past it
+            produced = (accepted + ([nxt] if stop is None else []))[: max_new_tokens - len(new)]
             stats.verified_tokens += len(produced)
             if record_top and sampler.greedy:
                 _record_top(stats, vlogits[keep], len(produced), record_top)

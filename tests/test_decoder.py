@@ -229,3 +229,19 @@ def test_planner_measures_a_tiny_target():
 
     costs = verify_costs(tiny_model("llama"), max_d=3, context=8, reps=1, device="cpu")
     assert len(costs) == 4 and all(c > 0 for c in costs)
+
+
+def test_a_tree_deeper_than_the_budget_never_emits_past_max_new_tokens(target):
+    """A drafter may add nodes past the round's budget (LookupUnion's lookup branch): all accepted, the output still
+    stops at exactly max_new_tokens."""
+    from models.heads.trees import chain_parents
+
+    class Overreach(Oracle):
+        def propose(self, pending, k, sampler):
+            toks = super().propose(pending, k + 6, sampler).tokens
+            return Proposal(toks, None, chain_parents(toks.numel()))
+
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    ref = plain_greedy(target.model, PROMPTS[0], 7)
+    out, st = dec.generate(PROMPTS[0], Overreach(target.model, 0.0), k=2, max_new_tokens=7)
+    assert out == ref and st.new_tokens == 7

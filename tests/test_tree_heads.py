@@ -126,3 +126,70 @@ def test_packed_draft_decodes_losslessly(cfg_path, packing):
     for tree in (None, TreeSpec(budget=8, depth=3, topk=2)):
         out, st = dec.generate(PROMPTS[1], head, max_new_tokens=18, tree=tree)
         assert out == plain_greedy(target.model, PROMPTS[1], 18) and st.passes >= 1
+
+
+class _Fixed:
+    """A drafter whose every proposal is the one given (a head's chain or tree, or a lookup's chain)."""
+
+    def __init__(self, prop):
+        self.prop = prop
+
+    def start(self, prompt_ids, feats):
+        pass
+
+    def commit(self, tokens, feats):
+        pass
+
+    def propose(self, pending, k, sampler):
+        return self.prop
+
+    def propose_tree(self, pending, tree, sampler):
+        return self.prop
+
+
+def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
+    from eval.baselines import LookupUnion
+    from eval.decoder import Proposal
+
+    T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    tree = Proposal(T(10, 11, 12), None, T(-1, -1, 0))
+    spec = TreeSpec(budget=8, depth=3, topk=2)
+
+    def union(head, chain, sampler=Sampler()):
+        return LookupUnion(_Fixed(head), _Fixed(Proposal(chain)), lookup_k=5).propose_tree(0, spec, sampler)
+
+    p = union(tree, T(10, 12, 7))  # follows nodes 0 and 2, adds 7 below node 2
+    assert p.tokens.tolist() == [10, 11, 12, 7] and p.parents.tolist() == [-1, -1, 0, 2]
+    p = union(tree, T(5, 6))  # a new branch from the root
+    assert p.tokens.tolist() == [10, 11, 12, 5, 6] and p.parents.tolist() == [-1, -1, 0, -1, 3]
+    assert union(tree, T(10, 12)) is tree and union(tree, T()) is tree  # nothing new: the head's own proposal
+    sampled = Proposal(T(10, 11), torch.full((2, 16), 1 / 16), T(-1, -1))
+    assert union(sampled, T(3, 4), Sampler(1.0)) is sampled  # sampling: the head alone
+    chain = LookupUnion(_Fixed(Proposal(T(10, 11, 13))), _Fixed(Proposal(T(10, 4))), lookup_k=5).propose(0, 2, Sampler())
+    assert chain.tokens.tolist() == [10, 11, 4] and chain.parents.tolist() == [-1, 0, 0]  # the chain cut to k first
+
+
+@pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
+def test_head_with_lookup_decodes_losslessly(cfg_path):
+    """Greedy output equals plain decoding, chain and tree, on a prompt that repeats (the lookup matches), and stops
+    at exactly max_new_tokens although the lookup branch may reach past it."""
+    from eval.baselines import LookupUnion, NGramDrafter
+
+    target, head = _perturbed(cfg_path)
+    prompt = torch.cat([PROMPTS[1], PROMPTS[1], PROMPTS[1][:4]])
+    dec = SpeculativeDecoder(target, eos_token_ids=[])
+    want = plain_greedy(target.model, prompt, 17)
+
+    class Counting(LookupUnion):
+        grown = 0  # rounds in which the lookup added nodes to the head's proposal
+
+        def _with_lookup(self, prop, *args):
+            out = super()._with_lookup(prop, *args)
+            self.grown += out is not prop
+            return out
+
+    for tree in (None, TreeSpec(budget=6, depth=3, topk=2)):
+        union = Counting(copy.deepcopy(head), NGramDrafter(3, 1), lookup_k=8)
+        out, st = dec.generate(prompt, union, k=2, max_new_tokens=17, tree=tree)
+        assert out == want and len(out) == 17
+        assert union.grown >= 1

@@ -62,7 +62,7 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
-from models.heads.vocab import build_draft_vocab, choose, draft_ids, to_target
+from models.heads.vocab import build_draft_vocab, choose, draft_ids
 from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm,
                            frozen_embedding, frozen_linear, lookahead_loss, shift_left)
 from models.target import rope_theta
@@ -213,11 +213,15 @@ class MTPHead(DraftHead):
         return self.lm_head(self.module(depth).head_input(h))
 
     def draft_logits(self, depth: int, h: torch.Tensor) -> torch.Tensor:
-        """Decoding's logits: depth-``depth`` states [m, d] → [m, V] over the target vocabulary (−inf outside the draft
-        vocabulary), through the draft rows alone where there is one."""
+        """Decoding's logits: depth-``depth`` states [m, d] → [m, Vd] over the draft vocabulary's columns
+        (:meth:`vocab`) through the draft rows alone, or [m, V] without one."""
         if not self.draft_vocab_size:
             return self.logits(depth, h)
-        return to_target(self.draft_head(self.module(depth).head_input(h)), self.d2t, self.lm_head.out_features)
+        return self.draft_head(self.module(depth).head_input(h))
+
+    def vocab(self) -> tuple[torch.Tensor, int] | None:
+        """(target ids [Vd], V) of :meth:`draft_logits`' columns where there is a draft vocabulary, else None."""
+        return (self.draft_ids(), self.lm_head.out_features) if self.draft_vocab_size else None
 
     def depth_states(self, ids: torch.Tensor, last_state: torch.Tensor, steps: int):
         """The teacher-forced training forward: yields depth j+1's output states [B, T, d] for j < ``steps``
@@ -368,7 +372,7 @@ class MTPHead(DraftHead):
             states.update({x: spec[i] for i, x in enumerate(nodes)})
             return logits
 
-        prop = grow_tree(root[0], expand, tree, sampler)
+        prop = grow_tree(root[0], expand, tree, sampler, vocab=self.vocab())
         if deepest < self.num_steps or self.reuse_last_module:  # keep the deepest run's known states for the next depth
             self._rows[deepest] = torch.cat([self._rows[deepest], below], 1)
         return prop

@@ -29,13 +29,6 @@ def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.numel(), device=d2t.device) + d2t
 
 
-def to_target(logits: torch.Tensor, d2t: torch.Tensor, V: int) -> torch.Tensor:
-    """Draft logits [m, Vd] → fp32 [m, V] over the target vocabulary, −inf outside the draft vocabulary."""
-    out = torch.full((logits.shape[0], V), float("-inf"), device=logits.device)
-    out[:, draft_ids(d2t)] = logits.float()
-    return out
-
-
 def choose(logits: torch.Tensor, d2t: torch.Tensor, V: int, sampler: Sampler) -> tuple[int, torch.Tensor | None]:
     """Draft logits [Vd] → (target id, q over the target vocabulary [V] or None when greedy): the draw happens over
     the draft vocabulary, and q is zero outside it."""
