@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from data.errors import UserError
 from eval.decoder import crop
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.target import TargetOutput
@@ -94,13 +95,11 @@ class LookupUnion:
 
     def __init__(self, head: Any, lookup: NGramDrafter, lookup_k: int = 5):
         if not isinstance(lookup_k, int) or lookup_k < 1:
-            from data.errors import UserError
             raise UserError(f"lookup_k={lookup_k}: the most tokens the lookup branch adds, an integer >= 1")
         self.head, self.lookup, self.lookup_k = head, lookup, lookup_k
-        self.tap_layers = getattr(head, "tap_layers", None)
-        self.max_draft = getattr(head, "max_draft", None)
-        if self.tap_layers is None:
-            del self.tap_layers
+        self.max_draft = getattr(head, "max_draft", None)  # what k=auto may ask of the head
+        if hasattr(head, "tap_layers"):  # the target features the head reads (eval.run sets the target's taps)
+            self.tap_layers = head.tap_layers
         if hasattr(head, "propose_tree"):
             self.propose_tree = self._propose_tree
 

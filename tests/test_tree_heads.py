@@ -167,6 +167,10 @@ def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
     assert union(sampled, T(3, 4), Sampler(1.0)) is sampled  # sampling: the head alone
     chain = LookupUnion(_Fixed(Proposal(T(10, 11, 13))), _Fixed(Proposal(T(10, 4))), lookup_k=5).propose(0, 2, Sampler())
     assert chain.tokens.tolist() == [10, 11, 4] and chain.parents.tolist() == [-1, 0, 0]  # the chain cut to k first
+    from data.errors import UserError
+
+    with pytest.raises(UserError, match="lookup_k=0"):
+        LookupUnion(_Fixed(tree), _Fixed(Proposal(T(1))), lookup_k=0)
 
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
