@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from models.heads.drafting import Proposal, Sampler, TreeSpec
+from models.heads.vocab import spread
 
 
 def children(logits: torch.Tensor, n: int, sampler: Sampler,
@@ -46,9 +47,7 @@ def children(logits: torch.Tensor, n: int, sampler: Sampler,
     top = keys.topk(n).indices
     if vocab is None:
         return top.tolist(), q[top], q
-    full = q.new_zeros(vocab[1])
-    full[vocab[0]] = q
-    return vocab[0][top].tolist(), q[top], full
+    return vocab[0][top].tolist(), q[top], spread(q, *vocab)
 
 
 Expand = Callable[[list[int], torch.Tensor, torch.Tensor], torch.Tensor]

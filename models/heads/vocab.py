@@ -34,8 +34,12 @@ def choose(logits: torch.Tensor, d2t: torch.Tensor, V: int, sampler: Sampler) ->
     the draft vocabulary, and q is zero outside it."""
     t, q = draw(logits, sampler)
     i = int(t)
-    if q is None:
-        return i + int(d2t[i]), None
+    return i + int(d2t[i]), None if q is None else spread(q, draft_ids(d2t), V)
+
+
+def spread(q: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
+    """A distribution q [Vd] over the draft vocabulary's target ids ``ids`` [Vd] → [V] over the target vocabulary,
+    zero outside it."""
     full = torch.zeros(V, dtype=q.dtype, device=q.device)
-    full[draft_ids(d2t)] = q
-    return i + int(d2t[i]), full
+    full[ids] = q
+    return full
