@@ -91,12 +91,23 @@ class LookupUnion:
     following nodes that already hold them and adding the rest as new nodes, so a round accepts the longer of the
     two paths. Greedy output stays the target's (any tree does). Sampling proposes the head's draft alone: the
     decoder's recursive rejection over siblings needs the siblings drawn from one q, and the lookup's is a point
-    mass. ``min_ngram`` (of the lookup) 2 leaves out one-token matches, which are seldom right and cost verify rows."""
+    mass. ``min_ngram`` (of the lookup) 2 leaves out one-token matches, which are seldom right and cost verify rows.
 
-    def __init__(self, head: Any, lookup: NGramDrafter, lookup_k: int = 5):
+    ``skip_after`` n (None: never): once the lookup's last n branches were each accepted whole (the text is
+    repeating; n = 0: whenever the lookup finds a match), a round drafts the lookup's continuation alone and the
+    head not at all, until a branch falls short. The head catches up on the skipped rounds' tokens at its next
+    draft (the drafting contract's commit after commit); such rounds do not enter ``k=auto``'s estimates
+    (``Proposal.usual``)."""
+
+    def __init__(self, head: Any, lookup: NGramDrafter, lookup_k: int = 5, skip_after: int | None = None):
         if not isinstance(lookup_k, int) or lookup_k < 1:
             raise UserError(f"lookup_k={lookup_k}: the most tokens the lookup branch adds, an integer >= 1")
-        self.head, self.lookup, self.lookup_k = head, lookup, lookup_k
+        if skip_after is not None and (not isinstance(skip_after, int) or skip_after < 0):
+            raise UserError(f"skip_after={skip_after}: fully accepted lookup branches in a row before the head sits a "
+                            "round out, an integer >= 0, or null (never)")
+        self.head, self.lookup, self.lookup_k, self.skip_after = head, lookup, lookup_k, skip_after
+        self._chain: list[int] = []  # the lookup branch of the last proposal
+        self._streak = 0  # lookup branches accepted whole, in a row
         self.max_draft = getattr(head, "max_draft", None)  # what k=auto may ask of the head
         if hasattr(head, "tap_layers"):  # the target features the head reads (eval.run sets the target's taps)
             self.tap_layers = head.tap_layers
@@ -106,21 +117,38 @@ class LookupUnion:
     def start(self, prompt_ids: torch.Tensor, feats: TargetOutput | None) -> None:
         self.head.start(prompt_ids, feats)
         self.lookup.start(prompt_ids, feats)
+        self._chain, self._streak = [], 0
 
     def commit(self, tokens: torch.Tensor, feats: TargetOutput | None) -> None:
         self.head.commit(tokens, feats)
         self.lookup.commit(tokens, feats)
+        n = len(self._chain)
+        whole = n > 0 and tokens.view(-1)[1: 1 + n].tolist() == self._chain  # tokens: [pending, accepted drafts...]
+        self._streak = self._streak + 1 if whole else 0
+        self._chain = []
 
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
-        return self._with_lookup(self.head.propose(pending, k, sampler), pending, k, sampler)
+        return self._skip(pending, sampler) or self._with_lookup(self.head.propose(pending, k, sampler), k)
 
     def _propose_tree(self, pending: int, tree: Any, sampler: Sampler) -> Proposal:
-        return self._with_lookup(self.head.propose_tree(pending, tree, sampler), pending, None, sampler)
+        return self._skip(pending, sampler) or self._with_lookup(self.head.propose_tree(pending, tree, sampler), None)
 
-    def _with_lookup(self, prop: Proposal, pending: int, k: int | None, sampler: Sampler) -> Proposal:
+    def _skip(self, pending: int, sampler: Sampler) -> Proposal | None:
+        """The lookup's continuation alone (as a one-branch tree, so that no k cuts it) when the head sits this
+        round out; else None (and at T>0 the head drafts alone: nothing to look up)."""
+        self._chain = []
         if not sampler.greedy:
+            return None
+        self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist()
+        if self.skip_after is None or not self._chain or self._streak < self.skip_after:
+            return None
+        n = len(self._chain)
+        return Proposal(torch.tensor(self._chain), None, torch.arange(-1, n - 1), usual=False)
+
+    def _with_lookup(self, prop: Proposal, k: int | None) -> Proposal:
+        if not self._chain:  # sampling, or nothing to look up
             return prop
-        chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist()
+        chain = self._chain
         tokens = (prop.tokens if k is None or prop.parents is not None else prop.tokens[:k]).tolist()
         parents = prop.parents.tolist() if prop.parents is not None else list(range(-1, len(tokens) - 1))
         n0, node = len(tokens), -1

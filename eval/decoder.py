@@ -255,7 +255,7 @@ class SpeculativeDecoder:
             t4 = time.perf_counter()
             drafter.commit(block[0, keep], _rows(vout, keep))
             stats.t_draft += time.perf_counter() - t4
-            if auto:
+            if auto and prop.usual:
                 k.update(reached, n, stats.t_draft - t_draft_before, reached if is_tree else draft.numel(), draft.numel(),
                          timed=stats.passes > 1, verify_s=t3 - t2)  # the first round also caught the drafter up on the prompt
         stats.new_tokens = len(new)

@@ -149,12 +149,13 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
 
 
 def load_head_with_lookup(path: str, target: Any, lookup_k: int = 5, max_ngram: int = 3, min_ngram: int = 2,
-                          linear_dtype: str = "auto", decode: dict | None = None) -> Any:
+                          skip_after: int | None = None, linear_dtype: str = "auto", decode: dict | None = None) -> Any:
     """A trained head (:func:`load_head`) with prompt lookup as one more branch of its proposal
     (:class:`eval.baselines.LookupUnion`; greedy only, sampling drafts the head alone)."""
     from eval.baselines import LookupUnion, NGramDrafter
 
-    return LookupUnion(load_head(path, target, linear_dtype, decode), NGramDrafter(max_ngram, min_ngram), lookup_k)
+    return LookupUnion(load_head(path, target, linear_dtype, decode), NGramDrafter(max_ngram, min_ngram), lookup_k,
+                       skip_after)
 
 
 def load_model_drafter(path: str, target: Any = None, dtype: str = "float32") -> Any:

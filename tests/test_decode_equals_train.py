@@ -1,6 +1,7 @@
 """Decoding equals training, for every draft config in conf/draft/ (a new head is tested by adding its YAML file).
 
-After ``start`` and any number of ``commit`` rounds (accepted prefixes of every length), what ``propose`` drafts is
+After ``start`` and any number of ``commit`` rounds (accepted prefixes of every length; some rounds with no ``propose``
+before their ``commit``, as when another drafter drafted them), what ``propose`` drafts is
 what the head's teacher-forced training forward gives at the same positions with the drafts as the following
 tokens: the same tokens at T=0 and the same distributions at T=1 (``DraftHead.teacher_forced_logits``).
 """
@@ -46,6 +47,11 @@ def test_propose_equals_the_teacher_forced_training_forward(cfg_path):
     accepted_lengths = set()
     for round_, k in enumerate([K, 1, K + 2, 3, K, 2, K, K]):
         pending = int(torch.randint(0, 128, (), generator=g))
+        if round_ in (2, 3, 6):  # a round another drafter drafted (eval.baselines.LookupUnion): commit, no propose
+            block = torch.cat([torch.tensor([pending]), torch.randint(0, 128, (round_ % 3,), generator=g)])
+            ids = torch.cat([ids, block])
+            head.commit(block, _tail(target, ids, block.numel()))
+            continue
         at = ids.numel() - 1  # last committed position; the pending token sits at at+1
         # T=1 on a copy: the distributions drafted from equal softmax(training logits) with the samples as the following tokens
         sampled = copy.deepcopy(head).propose(pending, k, Sampler(1.0, generator=torch.Generator().manual_seed(round_)))

@@ -171,12 +171,17 @@ def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
 
     with pytest.raises(UserError, match="lookup_k=0"):
         LookupUnion(_Fixed(tree), _Fixed(Proposal(T(1))), lookup_k=0)
+    with pytest.raises(UserError, match="skip_after=-1"):
+        LookupUnion(_Fixed(tree), _Fixed(Proposal(T(1))), skip_after=-1)
 
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
 def test_head_with_lookup_decodes_losslessly(cfg_path):
     """Greedy output equals plain decoding, chain and tree, on a prompt that repeats (the lookup matches), and stops
-    at exactly max_new_tokens although the lookup branch may reach past it."""
+    at exactly max_new_tokens although the lookup branch may reach past it; also when the head sits out the rounds
+    after a fully accepted lookup branch (``skip_after``: the head catches up at its next draft), where k=auto
+    learns only from the rounds the head drafted."""
+    from eval.autok import AutoK
     from eval.baselines import LookupUnion, NGramDrafter
 
     target, head = _perturbed(cfg_path)
@@ -185,15 +190,24 @@ def test_head_with_lookup_decodes_losslessly(cfg_path):
     want = plain_greedy(target.model, prompt, 17)
 
     class Counting(LookupUnion):
-        grown = 0  # rounds in which the lookup added nodes to the head's proposal
+        grown = skipped = 0  # rounds in which the lookup added nodes to the head's proposal / drafted alone
 
         def _with_lookup(self, prop, *args):
             out = super()._with_lookup(prop, *args)
             self.grown += out is not prop
             return out
 
+        def _skip(self, *args):
+            out = super()._skip(*args)
+            self.skipped += out is not None
+            return out
+
     for tree in (None, TreeSpec(budget=6, depth=3, topk=2)):
-        union = Counting(copy.deepcopy(head), NGramDrafter(3, 1), lookup_k=8)
-        out, st = dec.generate(prompt, union, k=2, max_new_tokens=17, tree=tree)
-        assert out == want and len(out) == 17
-        assert union.grown >= 1
+        for skip_after in (None, 0, 1):
+            union = Counting(copy.deepcopy(head), NGramDrafter(3, 1), lookup_k=8, skip_after=skip_after)
+            k = AutoK([1.0, 1.01, 1.02, 1.03], t1=1e6, learn_verify=False) if skip_after is not None else 2
+            out, st = dec.generate(prompt, union, k=k, max_new_tokens=17, tree=tree)
+            assert out == want and len(out) == 17
+            assert (union.grown >= 1) == (skip_after != 0) and (union.skipped >= 1) == (skip_after is not None)
+            if skip_after is not None:  # k=auto learnt from the head's rounds only
+                assert sum(rounds for _, rounds in k.nodes_seen.values()) == st.passes - union.skipped

@@ -2,7 +2,8 @@
 
 A drafter (a trained head, the n-gram lookup, a small draft model) implements :class:`Drafter`:
 ``start`` after the target's prefill (with the prompt's target features), ``propose`` up to k tokens after
-the pending token, ``commit`` the tokens the target accepted (with their target features). Its
+the pending token, ``commit`` the tokens the target accepted (with their target features). ``commit`` may follow
+``commit`` with no ``propose`` between (a round another drafter drafted): the drafter keeps both. Its
 :class:`Proposal` carries the drafted tokens and, when sampling, the distributions q they were drawn
 from; the decoder's rejection sampling is lossless only if that q is exactly the one each token was drawn
 from. :func:`draw` is the one place that turns draft logits into (token, q) under the decoder's
@@ -77,6 +78,7 @@ class Proposal:
     tokens: torch.Tensor                  # [k] drafted token ids
     probs: torch.Tensor | None = None     # [k, V] the distributions they were drawn from (None: deterministic)
     parents: torch.Tensor | None = None   # [k] tree: parent node index, −1 = the pending token; None: a chain
+    usual: bool = True                    # False: not the drafter's usual round (k=auto learns nothing from it)
 
 
 class Drafter(Protocol):

@@ -202,9 +202,15 @@ class Eagle3Head(DraftHead):
 
     @torch.no_grad()
     def commit(self, tokens: torch.Tensor, feats: Any) -> None:
-        """Accepted tokens ``[x, d_1..d_n]`` and their target features become pending context."""
-        self._pending_h = self.fuse(feats)
-        self._pending_next = tokens.view(-1)[1:]
+        """Accepted tokens ``[x, d_1..d_n]`` and their target features become pending context. After a round this
+        head did not draft (no ``propose`` since the last commit), they join the pending positions still there:
+        ``x`` is the next token of the last of them."""
+        h, tokens = self.fuse(feats), tokens.view(-1).to(self._pending_next.device)
+        if self._pending_h.shape[1]:
+            self._pending_h = torch.cat([self._pending_h, h], 1)
+            self._pending_next = torch.cat([self._pending_next, tokens])
+        else:
+            self._pending_h, self._pending_next = h, tokens[1:]
 
     @torch.no_grad()
     def _extend(self, pending: int) -> tuple[torch.Tensor, torch.Tensor]:
