@@ -82,24 +82,24 @@ class ModelDrafter:
 
 
 class LookupUnion:
-    """A trained head's proposal plus prompt lookup's continuation as one more branch of the same tree, verified in
-    one target pass (greedy decoding only).
+    """A trained head and prompt lookup (:class:`NGramDrafter`) as one drafter (greedy decoding only; sampling
+    proposes the head's draft alone: the decoder's recursive rejection over siblings needs the siblings drawn from
+    one q, and the lookup's is a point mass).
 
-    Prompt lookup (:class:`NGramDrafter`) is often right for many tokens in a row where the text repeats (code,
-    names and phrases of the prompt), where a head's acceptance decays with depth; elsewhere it matches little. The
-    union keeps the head's tree (or chain) as it is and walks the lookup's ``lookup_k`` tokens from the root,
-    following nodes that already hold them and adding the rest as new nodes, so a round accepts the longer of the
-    two paths. Greedy output stays the target's (any tree does). Sampling proposes the head's draft alone: the
-    decoder's recursive rejection over siblings needs the siblings drawn from one q, and the lookup's is a point
-    mass. ``min_ngram`` (of the lookup) 2 leaves out one-token matches, which are seldom right and cost verify rows.
+    Prompt lookup is often right for many tokens in a row where the text repeats (code, names and phrases of the
+    prompt), where a head's acceptance decays with depth; elsewhere it matches little, and it costs nothing to draft.
+    ``skip_after`` decides who drafts a round:
+    - None: both. The head's tree (or chain) stays as it is and the lookup's ``lookup_k`` tokens are walked from the
+      root, following nodes that already hold them and adding the rest as new nodes, so a round accepts the longer
+      of the two paths (any tree keeps greedy output the target's).
+    - n >= 0: as None, but once the lookup's last n branches were each accepted whole (the text is repeating), its
+      continuation drafts alone and the head sits the round out, until a branch falls short. n = 0 (the default):
+      the lookup alone wherever it finds a match, the head wherever it finds none. The head catches up on the
+      rounds it sat out at its next draft (the drafting contract's commit after commit); those rounds do not enter
+      ``k=auto``'s estimates (``Proposal.usual``).
+    ``min_ngram`` (of the lookup) 2 leaves out one-token matches, which are seldom right and cost verify rows."""
 
-    ``skip_after`` n (None: never): once the lookup's last n branches were each accepted whole (the text is
-    repeating; n = 0: whenever the lookup finds a match), a round drafts the lookup's continuation alone and the
-    head not at all, until a branch falls short. The head catches up on the skipped rounds' tokens at its next
-    draft (the drafting contract's commit after commit); such rounds do not enter ``k=auto``'s estimates
-    (``Proposal.usual``)."""
-
-    def __init__(self, head: Any, lookup: NGramDrafter, lookup_k: int = 5, skip_after: int | None = None):
+    def __init__(self, head: Any, lookup: NGramDrafter, lookup_k: int = 8, skip_after: int | None = 0):
         if not isinstance(lookup_k, int) or lookup_k < 1:
             raise UserError(f"lookup_k={lookup_k}: the most tokens the lookup branch adds, an integer >= 1")
         if skip_after is not None and (not isinstance(skip_after, int) or skip_after < 0):

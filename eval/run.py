@@ -148,10 +148,12 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
     return head
 
 
-def load_head_with_lookup(path: str, target: Any, lookup_k: int = 5, max_ngram: int = 3, min_ngram: int = 2,
-                          skip_after: int | None = None, linear_dtype: str = "auto", decode: dict | None = None) -> Any:
-    """A trained head (:func:`load_head`) with prompt lookup as one more branch of its proposal
-    (:class:`eval.baselines.LookupUnion`; greedy only, sampling drafts the head alone)."""
+def load_head_with_lookup(path: str, target: Any, lookup_k: int = 8, max_ngram: int = 3, min_ngram: int = 2,
+                          skip_after: int | None = 0, linear_dtype: str = "auto", decode: dict | None = None) -> Any:
+    """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.baselines.LookupUnion`; greedy only,
+    sampling drafts the head alone). By default the lookup's continuation drafts alone wherever it finds a match and
+    the head elsewhere (``skip_after=0``); ``skip_after: null`` adds the lookup as one more branch of every head's
+    proposal instead (measured slower: README, "A head with prompt lookup")."""
     from eval.baselines import LookupUnion, NGramDrafter
 
     return LookupUnion(load_head(path, target, linear_dtype, decode), NGramDrafter(max_ngram, min_ngram), lookup_k,

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from eval.decoder import Sampler, SpeculativeDecoder
+from eval.decoder import Proposal, Sampler, SpeculativeDecoder
 from models.heads.trees import TreeSpec, chain_parents, node_depths, path_to
 from test_decode_equals_train import _perturbed, _tail
 from test_decoder import PROMPTS, plain_greedy
@@ -156,7 +156,7 @@ def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
     spec = TreeSpec(budget=8, depth=3, topk=2)
 
     def union(head, chain, sampler=Sampler()):
-        return LookupUnion(_Fixed(head), _Fixed(Proposal(chain)), lookup_k=5).propose_tree(0, spec, sampler)
+        return LookupUnion(_Fixed(head), _Fixed(Proposal(chain)), lookup_k=5, skip_after=None).propose_tree(0, spec, sampler)
 
     p = union(tree, T(10, 12, 7))  # follows nodes 0 and 2, adds 7 below node 2
     assert p.tokens.tolist() == [10, 11, 12, 7] and p.parents.tolist() == [-1, -1, 0, 2]
@@ -165,7 +165,7 @@ def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
     assert union(tree, T(10, 12)) is tree and union(tree, T()) is tree  # nothing new: the head's own proposal
     sampled = Proposal(T(10, 11), torch.full((2, 16), 1 / 16), T(-1, -1))
     assert union(sampled, T(3, 4), Sampler(1.0)) is sampled  # sampling: the head alone
-    chain = LookupUnion(_Fixed(Proposal(T(10, 11, 13))), _Fixed(Proposal(T(10, 4))), lookup_k=5).propose(0, 2, Sampler())
+    chain = LookupUnion(_Fixed(Proposal(T(10, 11, 13))), _Fixed(Proposal(T(10, 4))), lookup_k=5, skip_after=None).propose(0, 2, Sampler())
     assert chain.tokens.tolist() == [10, 11, 4] and chain.parents.tolist() == [-1, 0, 0]  # the chain cut to k first
     from data.errors import UserError
 
@@ -173,6 +173,29 @@ def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
         LookupUnion(_Fixed(tree), _Fixed(Proposal(T(1))), lookup_k=0)
     with pytest.raises(UserError, match="skip_after=-1"):
         LookupUnion(_Fixed(tree), _Fixed(Proposal(T(1))), skip_after=-1)
+
+
+def test_lookup_union_lets_the_head_sit_out_while_the_lookup_is_right():
+    """skip_after=0: the lookup alone wherever it matches (a one-branch tree that no k cuts, outside k=auto's
+    estimates), the head where it does not; skip_after=1: the union until a lookup branch was accepted whole, then
+    the lookup alone until one falls short."""
+    from eval.baselines import LookupUnion
+
+    T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    tree, spec, greedy = Proposal(T(10, 11, 12), None, T(-1, -1, 0)), TreeSpec(budget=8, depth=3, topk=2), Sampler()
+    lookup = _Fixed(Proposal(T(5, 6, 7)))
+    p = LookupUnion(_Fixed(tree), lookup, lookup_k=5, skip_after=0).propose(0, 1, greedy)
+    assert p.tokens.tolist() == [5, 6, 7] and p.parents.tolist() == [-1, 0, 1] and not p.usual
+    assert LookupUnion(_Fixed(tree), _Fixed(Proposal(T())), skip_after=0).propose_tree(0, spec, greedy) is tree
+    u = LookupUnion(_Fixed(tree), lookup, lookup_k=5, skip_after=1)
+    u.start(T(1, 2), None)
+    drafted = []
+    for accepted in ([5, 6], [5, 6, 7], [5, 6, 7], [5]):  # a branch cut short, two whole ones, one cut short
+        p = u.propose_tree(0, spec, greedy)
+        drafted.append("lookup" if not p.usual else "union")
+        u.commit(T(0, *accepted), None)
+    assert drafted == ["union", "union", "lookup", "lookup"] and u.propose_tree(0, spec, greedy).usual
+    assert u.propose_tree(0, spec, Sampler(1.0)) is tree  # sampling: the head alone
 
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
