@@ -128,27 +128,26 @@ class LookupUnion:
         self._chain = []
 
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
-        return self._skip(pending, sampler) or self._with_lookup(self.head.propose(pending, k, sampler), k)
+        alone = self._look(pending, sampler)
+        return alone if alone is not None else self._with_lookup(self.head.propose(pending, k, sampler), k)
 
     def _propose_tree(self, pending: int, tree: Any, sampler: Sampler) -> Proposal:
-        return self._skip(pending, sampler) or self._with_lookup(self.head.propose_tree(pending, tree, sampler), None)
+        alone = self._look(pending, sampler)
+        return alone if alone is not None else self._with_lookup(self.head.propose_tree(pending, tree, sampler), None)
 
-    def _skip(self, pending: int, sampler: Sampler) -> Proposal | None:
-        """The lookup's continuation alone (as a one-branch tree, so that no k cuts it) when the head sits this
-        round out; else None (and at T>0 the head drafts alone: nothing to look up)."""
-        self._chain = []
-        if not sampler.greedy:
-            return None
-        self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist()
+    def _look(self, pending: int, sampler: Sampler) -> Proposal | None:
+        """Look up this round's continuation (``_chain``: empty at T>0, where the head drafts alone, or without a
+        match). Returns it as the round's whole proposal when the head sits the round out (a one-branch tree, so
+        that no k cuts it), else None: the head drafts and :meth:`_with_lookup` merges ``_chain`` into its draft."""
+        self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist() if sampler.greedy else []
         if self.skip_after is None or not self._chain or self._streak < self.skip_after:
             return None
-        n = len(self._chain)
-        return Proposal(torch.tensor(self._chain), None, torch.arange(-1, n - 1), usual=False)
+        return Proposal(torch.tensor(self._chain), None, torch.arange(-1, len(self._chain) - 1), usual=False)
 
     def _with_lookup(self, prop: Proposal, k: int | None) -> Proposal:
-        if not self._chain:  # sampling, or nothing to look up
-            return prop
         chain = self._chain
+        if not chain:  # sampling, or nothing to look up
+            return prop
         tokens = (prop.tokens if k is None or prop.parents is not None else prop.tokens[:k]).tolist()
         parents = prop.parents.tolist() if prop.parents is not None else list(range(-1, len(tokens) - 1))
         n0, node = len(tokens), -1

@@ -220,8 +220,8 @@ def test_head_with_lookup_decodes_losslessly(cfg_path):
             self.grown += out is not prop
             return out
 
-        def _skip(self, *args):
-            out = super()._skip(*args)
+        def _look(self, *args):
+            out = super()._look(*args)
             self.skipped += out is not None
             return out
 
