@@ -82,10 +82,9 @@ class ModelDrafter:
 
 
 class LookupUnion:
-    """A trained head and prompt lookup (:class:`NGramDrafter`) as one drafter. The lookup drafts in greedy rounds:
-    when sampling, the head's draft is proposed alone (the decoder's recursive rejection over siblings needs the
-    siblings drawn from one q, and the lookup's is a point mass), unless the drafter has ``greedy_drafts`` (then
-    every round is drafted greedily and verified as deterministic candidates, the lookup's included).
+    """A trained head and prompt lookup (:class:`NGramDrafter`) as one drafter (greedy decoding only; sampling
+    proposes the head's draft alone: the decoder's recursive rejection over siblings needs the siblings drawn from
+    one q, and the lookup's is a point mass).
 
     Prompt lookup is often right for many tokens in a row where the text repeats (code, names and phrases of the
     prompt), where a head's acceptance decays with depth; elsewhere it matches little, and it costs nothing to draft.

@@ -7,9 +7,7 @@ the new pending token. Output is exactly the target's:
 - greedy (temperature 0): accept while ``d_i == argmax p_i``; the bonus is ``argmax p_n``;
 - sampling: accept ``d_i`` with probability ``min(1, p(d_i)/q(d_i))``, on rejection draw from
   ``norm(max(0, p − q))`` (Leviathan et al., arXiv 2211.17192); a drafter that gives no distribution is
-  treated as one-hot q, which is the same as sampling y ~ p and accepting iff y == d_i. A drafter with
-  ``greedy_drafts`` proposes its most probable tokens even when sampling, verified that way (SpecInfer-style
-  deterministic candidates: a sibling is accepted with the target's probability of it).
+  treated as one-hot q, which is the same as sampling y ~ p and accepting iff y == d_i.
 Trees (``tree=TreeSpec(...)``, drafters with ``propose_tree``): the target verifies every node in one forward
 under a tree attention mask with positions by depth, keeps the longest accepted root-to-node path
 (:func:`accept_tree`; sampling: recursive rejection over siblings) and compacts that path's K/V in its cache
@@ -200,9 +198,6 @@ class SpeculativeDecoder:
         new = [first]
         cached = ids.shape[1]  # tokens in the target cache
         longest = getattr(drafter, "max_draft", None) or max_new_tokens  # k=auto chooses no longer draft than the drafter makes
-        # greedy_drafts: when sampling, the drafter still proposes its most probable tokens; they carry no q and are
-        # verified as deterministic candidates (one-hot q: accepted with the target's probability), also lossless
-        draft_sampler = Sampler() if getattr(drafter, "greedy_drafts", False) else sampler
         while len(new) < max_new_tokens and new[-1] not in self.eos:
             budget = max_new_tokens - len(new)
             kk = k.choose(min(budget - 1, longest)) if auto else min(k, budget - 1)  # the pass also yields a bonus token
@@ -210,9 +205,9 @@ class SpeculativeDecoder:
             if kk <= 0:
                 prop = Proposal(torch.empty(0, dtype=torch.long))
             elif tree is not None and hasattr(drafter, "propose_tree"):  # k=auto with a tree: kk is its depth
-                prop = drafter.propose_tree(new[-1], replace(tree, depth=min(tree.depth, budget - 1, kk if auto else tree.depth)), draft_sampler)
+                prop = drafter.propose_tree(new[-1], replace(tree, depth=min(tree.depth, budget - 1, kk if auto else tree.depth)), sampler)
             else:
-                prop = drafter.propose(new[-1], kk, draft_sampler)
+                prop = drafter.propose(new[-1], kk, sampler)
             is_tree = prop.parents is not None
             draft = prop.tokens.to(torch.long) if is_tree else prop.tokens[:kk].to(torch.long)
             t2 = time.perf_counter()

@@ -85,10 +85,8 @@ class Agg:
 def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
     """Instantiate a drafter config; factories that take ``target`` get it (trained heads need their target).
     A ``tree:`` key (budget, depth, topk, min_prob: :class:`models.heads.trees.TreeSpec`) makes the drafter
-    propose trees (``drafter.tree_spec``), a ``k:`` key (an integer or auto) overrides the run's k for it, and
-    ``greedy_drafts: true`` makes it propose its most probable tokens also when sampling (verified as deterministic
-    candidates, :mod:`eval.decoder`); the same head can be listed several times (chain, tree, k=auto) and is then
-    compared side by side."""
+    propose trees (``drafter.tree_spec``), a ``k:`` key (an integer or auto) overrides the run's k for it; the same
+    head can be listed several times (chain, tree, k=auto) and is then compared side by side."""
     from omegaconf import OmegaConf
 
     from models.heads.trees import TreeSpec
@@ -96,9 +94,6 @@ def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
     node = OmegaConf.create(OmegaConf.to_container(node) if OmegaConf.is_config(node) else dict(node))
     tree = node.pop("tree", None) if "tree" in node else None
     k = node.pop("k", None) if "k" in node else None
-    greedy_drafts = node.pop("greedy_drafts", None) if "greedy_drafts" in node else None
-    if greedy_drafts is not None and not isinstance(greedy_drafts, bool):
-        raise UserError(f"drafters.{name}.greedy_drafts={greedy_drafts!r}: true or false")
     part = instantiate(node, _partial_=True)
     fn = part.func if hasattr(part, "func") else part
     takes_target = "target" in inspect.signature(fn).parameters
@@ -114,8 +109,6 @@ def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
         if k != "auto" and (not isinstance(k, int) or k < 1):
             raise UserError(f"drafters.{name}.k={k}: an integer >= 1, or auto")
         drafter.draft_k = k
-    if greedy_drafts is not None:
-        drafter.greedy_drafts = greedy_drafts
     return drafter
 
 
@@ -157,8 +150,8 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
 
 def load_head_with_lookup(path: str, target: Any, lookup_k: int = 8, max_ngram: int = 3, min_ngram: int = 2,
                           skip_after: int | None = 0, linear_dtype: str = "auto", decode: dict | None = None) -> Any:
-    """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.baselines.LookupUnion`; when sampling the
-    head drafts alone, unless the entry sets ``greedy_drafts: true``). By default the lookup's continuation drafts alone wherever it finds a match and
+    """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.baselines.LookupUnion`; greedy only,
+    sampling drafts the head alone). By default the lookup's continuation drafts alone wherever it finds a match and
     the head elsewhere (``skip_after=0``); ``skip_after: null`` adds the lookup as one more branch of every head's
     proposal instead (measured slower: README, "A head with prompt lookup")."""
     from eval.baselines import LookupUnion, NGramDrafter

@@ -225,62 +225,6 @@ def test_tree_sampling_matches_target_distribution(with_probs):
     assert max(chi2) < 25.0, chi2
 
 
-class GreedyDrafts(FixedQTree):
-    """FixedQTree with ``greedy_drafts``: records the samplers it was asked to draft with."""
-
-    greedy_drafts = True
-
-    def __init__(self, q, seen):
-        super().__init__(q, with_probs=True)
-        self.seen = seen
-
-    def propose(self, pending, k, sampler):
-        self.seen.append(sampler.greedy)
-        return Proposal(self.q.topk(k).indices, None) if sampler.greedy else super().propose(pending, k, sampler)
-
-    def propose_tree(self, pending, tree, sampler):
-        self.seen.append(sampler.greedy)
-        return super().propose_tree(pending, tree, sampler)
-
-
-@pytest.mark.parametrize("tree", [None, TreeSpec(6, 2, 2)])
-def test_greedy_drafts_keep_the_target_distribution(tree):
-    """``greedy_drafts``: when sampling, the drafter is asked for its most probable tokens (a greedy sampler), the
-    proposal carries no q and the decoder verifies it as deterministic candidates: the target's marginals hold (the
-    chi-square test above), as a chain and as a tree of the two most probable children per node."""
-    seen: list[bool] = []
-    chi2, accepted = sampled_marginals_chi2(lambda: GreedyDrafts(FIXED_Q, seen), k=2, tree=tree)
-    assert seen and all(seen)  # every round drafted greedily although the decoder sampled
-    assert accepted > 3000 * 0.1  # the drafts are really used
-    assert max(chi2) < 25.0, chi2
-
-
-def test_lookup_union_drafts_at_t1_with_greedy_drafts():
-    """LookupUnion joins the lookup to a sampled round only with ``greedy_drafts`` (all candidates deterministic):
-    then the lookup's continuation drafts at T=1 too, and the target's marginals hold."""
-    from eval.baselines import LookupUnion, NGramDrafter
-
-    found: list[int] = []
-
-    class Counting(NGramDrafter):
-        def propose(self, pending, k, sampler):
-            prop = super().propose(pending, k, sampler)
-            found.append(prop.tokens.numel())
-            return prop
-
-    def make(greedy: bool):
-        u = LookupUnion(GreedyDrafts(FIXED_Q, []), Counting(3, 1), lookup_k=3, skip_after=None)
-        u.greedy_drafts = greedy
-        return u
-
-    chi2, _ = sampled_marginals_chi2(lambda: make(True), k=2, tree=TreeSpec(6, 2, 2))
-    assert max(chi2) < 25.0, chi2
-    assert sum(n > 0 for n in found) > 100  # lookup branches were proposed in sampled rounds
-    found.clear()
-    sampled_marginals_chi2(lambda: make(False), N=100, k=2, tree=TreeSpec(6, 2, 2))
-    assert not found  # sampling without greedy_drafts: the head alone, the lookup never asked
-
-
 def test_auto_k_is_lossless_and_follows_acceptance(target):
     """k=auto (eval.autok.AutoK) keeps greedy output identical and drafts long where drafts are always right,
     short where they are always wrong."""
@@ -496,6 +440,3 @@ def test_eval_drafter_entries_take_tree_and_k(target):
         build_drafter({**ngram, "tree": {"budget": 8}}, target, "ngram")
     with pytest.raises(UserError, match="drafters.ngram.k=0"):
         build_drafter({**ngram, "k": 0}, target, "ngram")
-    assert build_drafter({**ngram, "greedy_drafts": True}, target, "ngram").greedy_drafts is True
-    with pytest.raises(UserError, match="drafters.ngram.greedy_drafts='yes': true or false"):
-        build_drafter({**ngram, "greedy_drafts": "yes"}, target, "ngram")

@@ -82,11 +82,8 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """What the decoder needs from a drafter (a trained head, n-gram lookup, a small LM...). Optional attributes:
-    ``max_draft`` (int or None), the most tokens (tree: levels) it ever drafts, which ``k=auto`` does not exceed;
-    ``greedy_drafts`` (bool): when sampling, the decoder still passes ``propose`` a greedy :class:`Sampler`, and
-    verifies the proposal (which then carries no q) as deterministic candidates, each accepted with the target's
-    probability of it: lossless too, and it lets deterministic drafts such as a lookup's join a sampled round."""
+    """What the decoder needs from a drafter (a trained head, n-gram lookup, a small LM...). Optional: an attribute
+    ``max_draft`` (int or None), the most tokens (tree: levels) it ever drafts, which ``k=auto`` does not exceed."""
 
     def start(self, prompt_ids: torch.Tensor, feats: TargetOutput) -> None: ...
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal: ...
