@@ -199,6 +199,26 @@ def sampled_marginals_chi2(make_drafter, N: int = 3000, **generate_kw) -> tuple[
 FIXED_Q = torch.tensor([0.4, 0.05, 0.05, 0.2, 0.1, 0.2])
 
 
+def test_sample_rows_follows_each_row_and_never_draws_a_zero(monkeypatch):
+    """The inverse-CDF sampler every token goes through (Sampler.sample, draw): frequencies match each row's p, a token
+    of probability 0 is never drawn, rows need not be normalised, and a uniform draw that rounds up to the row's total
+    gives the last token with mass."""
+    from models.heads.drafting import sample_rows
+
+    p = torch.tensor([[0.5, 0.0, 0.2, 0.3, 0.0], [0.0, 2.0, 0.0, 0.0, 6.0]])  # the second row unnormalised
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_rows(p, g) for _ in range(20000)])  # [20000, 2]
+    for row in range(2):
+        freq = torch.bincount(draws[:, row], minlength=5).float() / draws.shape[0]
+        exp = p[row] / p[row].sum()
+        assert (freq[exp == 0] == 0).all()
+        assert torch.allclose(freq, exp, atol=0.015), (freq, exp)
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones_like(real_rand(*a, **k)))  # u = the total
+    assert sample_rows(p, g).tolist() == [3, 4]
+    assert Sampler(1.0, generator=g).sample(torch.tensor([0.1, 0.9, 0.0])) == 1
+
+
 @pytest.mark.parametrize("with_probs", [True, False])
 def test_sampling_matches_target_distribution(with_probs):
     """Chains from a fixed wrong q (with its distribution, or verified as one-hot) keep the target's marginals."""

@@ -52,8 +52,24 @@ class Sampler:
         return p
 
     def sample(self, p: torch.Tensor) -> int:
-        """One token from the distribution p [V]."""
-        return int(torch.multinomial(p, 1, generator=self.generator))
+        """One token from the distribution p [V] (:func:`sample_rows`)."""
+        return int(sample_rows(p.view(1, -1), self.generator))
+
+
+def sample_rows(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token from each row of p [N, V] (non-negative, not necessarily normalised) → [N] long, by the inverse CDF:
+    one uniform draw per row against the row's cumulative sums (fp64), found by binary search. ``torch.multinomial``
+    draws one exponential per vocabulary entry for a single sample (0.3 ms a token at V = 8,192 and 1.7 ms at 49,152
+    on these CPUs, against 0.02 and 0.07 ms here), in plain decoding and in every drafted and verified token alike.
+    A token of probability 0 is never drawn."""
+    c = p.double().cumsum(-1)  # [N, V]
+    u = torch.rand(c.shape[0], 1, generator=generator, dtype=torch.float64,
+                   device=generator.device if generator is not None else c.device).to(c.device)  # [N, 1] in [0, 1)
+    tok = torch.searchsorted(c, u.mul_(c[:, -1:]), right=True).view(-1)  # the first index whose cumulative sum exceeds u
+    if int(tok.max()) >= p.shape[-1]:  # u rounded up to the total (probability ~1e-16): the last token with mass
+        last = p.shape[-1] - 1 - (p.flip(-1) > 0).long().argmax(-1)
+        tok = torch.where(tok >= p.shape[-1], last, tok)
+    return tok
 
 
 def draw(logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,8 +80,7 @@ def draw(logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Te
     if sampler.greedy:
         return logits.argmax(-1), None
     q = sampler.probs(logits)
-    flat = q.reshape(-1, q.shape[-1])  # [N, V]
-    tokens = torch.multinomial(flat, 1, generator=sampler.generator).view(q.shape[:-1])
+    tokens = sample_rows(q.reshape(-1, q.shape[-1]), sampler.generator).view(q.shape[:-1])
     return tokens, q
 
 
