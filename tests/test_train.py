@@ -190,6 +190,18 @@ def test_init_from_starts_a_run_from_an_export(tiny_target_dir, tiny_chats, tmp_
     init_from_export(small, str(tmp_path / "mtp"), target)
     assert int(small.draft_ids().min()) == small.t2d.numel() - 30
     assert all(torch.equal(small.state_dict()[k], v) for k, v in mtp.state_dict().items())
+    # so does the floor's frozen head (the target's rows): a trained floor drafts from fewer rows unchanged; a
+    # trainable head of another size (EAGLE-3 above) does not fit
+    floor = [o for o in over if not o.startswith("draft.")] + ["draft=eagle"]
+    _, full, _ = build(compose_train(floor))
+    full.export(tmp_path / "floor")
+    _, fewer, _ = build(compose_train(floor + ["draft.draft_vocab_size=30"]))
+    fewer.prepare_from_data(torch.arange(float(fewer.t2d.numel())))
+    init_from_export(fewer, str(tmp_path / "floor"), target)
+    ids = fewer.draft_ids()
+    assert int(ids.min()) == fewer.t2d.numel() - 30 and fewer.t2d.sum() == 30
+    assert torch.equal(fewer.lm_head.weight, target.lm_head().weight[ids])
+    assert all(torch.equal(fewer.state_dict()[k], v) for k, v in full.state_dict().items() if k not in fewer.vocab_state)
 
 
 def test_time_budget_stops_on_the_clock_and_schedules_by_it(tiny_target_dir, tiny_chats, tmp_path):

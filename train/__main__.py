@@ -81,14 +81,18 @@ def init_from_export(head: Any, path: str, target: Any) -> None:
         raise UserError(f"init_from={path}: trained on tap layers {src.tap_layers}, this run taps {taps} (set "
                         f"target.tap_layers={src.tap_layers})")
     mine, theirs = head.state_dict(), src.state_dict()
-    own = [k for k in head.decode_only_state if k in mine and k not in theirs]  # e.g. MTP's draft vocabulary: this run's
+    vocab = [k for k in head.vocab_state if k in mine and k in src.vocab_state]
+    # a vocabulary over the target's frozen rows (MTP's, the floor's): this run's where the export's is missing or
+    # of another size, all of it (its d2t, t2d and rows belong together); an equal one is the export's
+    own = vocab if any(k not in theirs or theirs[k].shape != mine[k].shape for k in vocab) else []
+    theirs = {k: v for k, v in theirs.items() if k not in own}
     bad = [k for k in mine if k not in own and (k not in theirs or theirs[k].shape != mine[k].shape)]
     if bad:
         raise UserError(f"init_from={path}: does not fit this draft config: {bad[0]} "
                         f"{tuple(theirs[bad[0]].shape) if bad[0] in theirs else 'missing'} vs {tuple(mine[bad[0]].shape)} "
                         "(use the draft settings it was trained with)")
     head.load_state_dict(theirs, strict=not own)
-    print(f"initialised from {path} (its weights and draft vocabulary{'; the draft vocabulary from this run' if own else ''})")
+    print(f"initialised from {path} ({'its weights; the draft vocabulary from this run' if own else 'its weights and draft vocabulary'})")
 
 
 def check_lengths(cfg: DictConfig, target: Any, dm: Any) -> None:

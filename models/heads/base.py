@@ -50,6 +50,13 @@ class DraftHead(nn.Module):
     decode_only_state: ClassVar[tuple[str, ...]] = ()  # state that only changes how we draft: serving formats may drop it
     decode_settings: ClassVar[tuple[str, ...]] = ()  # init arguments that only change how we draft (eval.run.load_head's ``decode``)
 
+    @property
+    def vocab_state(self) -> tuple[str, ...]:
+        """A draft vocabulary that costs no training: its ``d2t``/``t2d`` and output rows are the target's own frozen
+        rows. ``init_from=`` takes it from the new run (its size, chosen on its data) where the export lacks it or
+        holds another size, so a trained head can draft from fewer rows unchanged. Default: the decode-only state."""
+        return self.decode_only_state
+
     def __init__(self, target: Any, **init_args: Any):
         super().__init__()
         self.init_args = init_args

@@ -111,6 +111,12 @@ class Eagle3Head(DraftHead):
             with torch.no_grad():
                 self.lm_head.weight.copy_(w[self.draft_ids().to(w.device)].to(self.lm_head.weight))
 
+    @property
+    def vocab_state(self) -> tuple[str, ...]:
+        """With a frozen ``lm_head`` (the floor's default) its rows are the target's rows of the draft vocabulary, so
+        ``init_from=`` may give a trained head another vocabulary (``draft.draft_vocab_size``) with no training."""
+        return () if self.lm_head.weight.requires_grad else ("d2t", "t2d", "lm_head.weight")
+
     def draft_ids(self) -> torch.Tensor:
         """Target ids of the draft vocabulary, [Vd]."""
         return draft_ids(self.d2t)
