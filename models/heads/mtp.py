@@ -85,14 +85,15 @@ class MTPModule(nn.Module):
         self.norm_output = norm_output
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                past: KVBuffer | None = None,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                past: KVBuffer | None = None, mask: torch.Tensor | None = None,
+                tail: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h_prev, emb [B, m, d] at m consecutive positions; past: the keys of the P positions before them, to which
         these positions' keys are added (the caller keeps what it wants of them; None: training, plain causal over
         the m positions); ``mask`` bool [m, P+m] (with past; default: causal after all past keys; a draft tree packs
-        several paths' rows into one block).
-        Returns the output [B, m, d] handed to the next depth (pre-norm, or normed with ``norm_output``) and these
-        positions' k, v [B, H, m, hd]."""
+        several paths' rows into one block); ``tail`` (with past, default mask): only the last ``tail`` rows' outputs
+        are wanted, so the others are only keyed (the deepest depth of a round, whose other rows no depth reads).
+        Returns the output [B, m (or tail), d] handed to the next depth (pre-norm, or normed with ``norm_output``) and
+        these positions' k, v [B, H, m, hd]."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))  # [B, m, d]
         blk = self.block
         q, k, v = blk.self_attn.qkv(blk.input_layernorm(x), cos, sin)
@@ -101,6 +102,12 @@ class MTPModule(nn.Module):
         else:
             keys, values = past.add(k, v)  # [B, H, P+m, hd]
             m = q.shape[2]
+            if tail is not None and tail < m:  # the other rows' keys are added; their outputs are not computed
+                if mask is not None:
+                    raise ValueError("MTPModule: tail needs the default causal mask")
+                q, x, m = q[:, :, m - tail:], x[:, m - tail:], tail
+                if m == 0:
+                    return x, k, v
             if mask is None and m > 1:  # one row sees every key: no mask
                 P = keys.shape[2] - m
                 mask = torch.ones(m, P + m, dtype=torch.bool, device=q.device).tril(P)  # causal, after all past keys
@@ -287,7 +294,9 @@ class MTPHead(DraftHead):
             cache, c = self._depth(j)
             prev = self._rows[j - 1] if out is None else torch.cat([self._rows[j - 1], out], 1)  # [1, n-c, d]
             cos, sin = self.rotary(range(c, n))  # positions c..n-1, which read tokens c+j..n-1+j
-            out, _, _ = self.module(j)(prev, self.embed_tokens(seq[None, c + j: n + j]), cos, sin, cache)
+            # the round's last depth, with no deeper depth to hand its rows to: only position n-1's output is used
+            tail = 1 if j == steps and j >= self.num_steps and not self.reuse_last_module else None
+            out, _, _ = self.module(j)(prev, self.embed_tokens(seq[None, c + j: n + j]), cos, sin, cache, tail=tail)
             known = max(0, n - j + 1)  # depth j's positions < known have every input known (token t+j <= x_n)
             cache.keep(known - c)
             known_prev = n if j == 1 else max(0, n - j + 2)
@@ -321,19 +330,23 @@ class MTPHead(DraftHead):
         seq [n+1] x_0..x_n; below: depth j−1's known states of this round [1, known_{j-1}−c_{j-1}, d] (j = 1: None);
         paths [m, j−1]: each node's drafts d_1..d_{j−1}; spec_below [m, n−known_{j-1}, d]: depth j−1's states of each
         node's parent at the positions that read drafts. Returns depth j's known states [1, known−c, d] (the same
-        for every path; cached once), its speculative states [m, n−known, d] and the logits at n−1 [m, V]."""
+        for every path; cached once; none past the last module, which no depth reads), its speculative states
+        [m, n−known, d] and the logits at n−1 [m, V]."""
         n, dev = seq.numel() - 1, seq.device
         cache, c = self._depth(j)
         mod = self.module(j)
         prev = self._rows[j - 1] if below is None else torch.cat([self._rows[j - 1], below], 1)  # [1, known_{j-1}-c, d]
         known = max(0, n - j + 1)  # positions whose token t+j is known
+        m, s = paths.shape[0], n - known  # s: positions known..n-1 read drafts (j = 1: none)
         out = prev[:, :0]
         if known > c:  # the shared positions c..known-1, once, into depth j's cache
             cos, sin = self.rotary(range(c, known))
-            out, _, _ = mod(prev[:, : known - c], self.embed_tokens(seq[None, c + j: known + j]), cos, sin, cache)
+            # no deeper depth reads them: keyed only (but position n-1's output where it is one of them, j = 1)
+            tail = (1 if s == 0 else 0) if j >= self.num_steps and not self.reuse_last_module else None
+            out, _, _ = mod(prev[:, : known - c], self.embed_tokens(seq[None, c + j: known + j]), cos, sin, cache,
+                            tail=tail)
             cache.keep()
         self._rows[j - 1] = prev[:, known - c:]  # depth j-1 states depth j has not cached yet
-        m, s = paths.shape[0], n - known  # s: positions known..n-1 read drafts (j = 1: none)
         if s == 0:
             return out, out[:, :0].expand(m, -1, -1), self.draft_logits(j, out[:, -1]).expand(m, -1)
         pos = torch.arange(known, n, device=dev)  # [s]
