@@ -295,7 +295,7 @@ class MTPHead(DraftHead):
             prev = self._rows[j - 1] if out is None else torch.cat([self._rows[j - 1], out], 1)  # [1, n-c, d]
             cos, sin = self.rotary(range(c, n))  # positions c..n-1, which read tokens c+j..n-1+j
             # the round's last depth, with no deeper depth to hand its rows to: only position n-1's output is used
-            tail = 1 if j == steps and j >= self.num_steps and not self.reuse_last_module else None
+            tail = 1 if j == steps and not self._deeper(j) else None
             out, _, _ = self.module(j)(prev, self.embed_tokens(seq[None, c + j: n + j]), cos, sin, cache, tail=tail)
             known = max(0, n - j + 1)  # depth j's positions < known have every input known (token t+j <= x_n)
             cache.keep(known - c)
@@ -311,9 +311,13 @@ class MTPHead(DraftHead):
             probs.append(q)
             seq = torch.cat([seq, seq.new_tensor([t])])
             last, last_c, last_known = j, c, known
-        if tokens and (last < self.num_steps or self.reuse_last_module):  # keep the deepest run's known states for depth last+1
+        if tokens and self._deeper(last):  # keep the deepest run's known states for depth last+1
             self._rows[last] = torch.cat([self._rows[last], out[:, : last_known - last_c]], 1)
         return proposal(tokens, probs)
+
+    def _deeper(self, j: int) -> bool:
+        """Whether a depth after ``j`` may ever run (and so read depth j's states)."""
+        return j < self.num_steps or self.reuse_last_module
 
     def _depth(self, j: int) -> tuple[KVBuffer, int]:
         """Depth j's cache and its length c; a new depth (first round, or deeper than ever with reuse_last_module)
@@ -342,7 +346,7 @@ class MTPHead(DraftHead):
         if known > c:  # the shared positions c..known-1, once, into depth j's cache
             cos, sin = self.rotary(range(c, known))
             # no deeper depth reads them: keyed only (but position n-1's output where it is one of them, j = 1)
-            tail = (1 if s == 0 else 0) if j >= self.num_steps and not self.reuse_last_module else None
+            tail = None if self._deeper(j) else (1 if s == 0 else 0)
             out, _, _ = mod(prev[:, : known - c], self.embed_tokens(seq[None, c + j: known + j]), cos, sin, cache,
                             tail=tail)
             cache.keep()
@@ -386,6 +390,6 @@ class MTPHead(DraftHead):
             return logits
 
         prop = grow_tree(root[0], expand, tree, sampler, vocab=self.vocab())
-        if deepest < self.num_steps or self.reuse_last_module:  # keep the deepest run's known states for the next depth
+        if self._deeper(deepest):  # keep the deepest run's known states for the next depth
             self._rows[deepest] = torch.cat([self._rows[deepest], below], 1)
         return prop
