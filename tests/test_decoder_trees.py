@@ -3,6 +3,8 @@ the accepted path's K/V compacted exactly, a chain given as a tree identical to 
 that keeps the target's distribution (recursive rejection over siblings; chi-square as for chains)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -96,6 +98,42 @@ def test_grow_tree_respects_budget_depth_and_order(greedy):
             assert prop.tokens[kids].tolist() == torch.softmax(table[63], -1).topk(len(kids)).indices.tolist()
         else:
             assert prop.probs.shape == (n, V)
+
+
+@pytest.mark.parametrize("peak", [0.0, 4.0, 12.0])
+def test_greedy_tree_stops_growing_when_no_deeper_node_can_make_the_cut(peak):
+    """The greedy tree equals EAGLE-2's re-ranking of the full top-k expansion (computed here from the logits), while
+    levels whose nodes could not enter the best ``budget`` are not expanded."""
+    V = 40
+    g = torch.Generator().manual_seed(int(peak))
+    table = torch.randn(64, V, generator=g) * 2
+    table[:, 7] += peak  # a confident draft: one token far ahead, so deep chains outrank late siblings
+    calls = []
+
+    def expand(nodes, tokens, parents):
+        calls.append(len(nodes))
+        return table[torch.tensor(nodes) % 64]
+
+    fewer = 0
+    for spec in (TreeSpec(budget=16, depth=16, topk=2), TreeSpec(budget=16, depth=10, topk=2),
+                 TreeSpec(budget=10, depth=6, topk=3), TreeSpec(budget=5, depth=8, topk=1)):
+        cap = spec.topk + (spec.depth - 1) * spec.topk ** 2
+        calls.clear()
+        full = grow_tree(table[63], expand, TreeSpec(budget=cap, depth=spec.depth, topk=spec.topk), Sampler())
+        levels_full = len(calls)
+        logp = []  # the full expansion's nodes in growth order; each node's logits are table[node % 64]
+        for tok, par in zip(full.tokens.tolist(), full.parents.tolist()):
+            row = table[63] if par < 0 else table[par % 64]
+            logp.append((0.0 if par < 0 else logp[par]) + math.log(float(torch.softmax(row, -1)[tok])))
+        best = sorted(sorted(range(len(logp)), key=lambda n: (-logp[n], n))[: spec.budget])
+        index = {old: i for i, old in enumerate(best)}
+        calls.clear()
+        prop = grow_tree(table[63], expand, spec, Sampler())
+        assert prop.tokens.tolist() == [full.tokens[n].item() for n in best]
+        assert prop.parents.tolist() == [-1 if full.parents[n] < 0 else index[int(full.parents[n])] for n in best]
+        assert len(calls) <= levels_full
+        fewer += len(calls) < levels_full
+    assert fewer > 0  # the stop happens in these trees
 
 
 def test_min_prob_stops_expanding_unlikely_nodes():
