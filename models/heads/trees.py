@@ -8,12 +8,13 @@ its ancestors, :func:`tree_mask`) and keeps the longest accepted root-to-node pa
 Growth (:func:`grow_tree`, after EAGLE-2's dynamic trees, Li et al. arXiv 2406.16858): level by level, the
 ``topk`` frontier nodes with the highest cumulative draft probability are expanded, each into its ``topk``
 most probable children (greedy) or ``topk`` children drawn *without replacement* from q (sampling;
-Gumbel-top-k), for ``depth`` levels. Greedy, as EAGLE-2: the whole expansion is grown and the best ``budget``
-nodes by cumulative probability are kept. Sampling: pruning a drawn child because of its own value would bias
-the candidates away from q, so there every drawn child is kept and the budget is spent while drawing (how many
-children a node gets depends only on its ancestors). That is what the decoder's recursive rejection over
-siblings (SpecInfer, Miao et al. arXiv 2305.09781; without replacement) needs to keep the target's
-distribution. ``min_prob`` stops expanding nodes whose path probability falls below it (adaptive length).
+Gumbel-top-k), for ``depth`` levels. Greedy, as EAGLE-2: the best ``budget`` nodes by cumulative probability of
+the whole expansion are kept; growth stops early at a level where ``budget`` nodes already score at least as high
+as every frontier node, since no deeper node could then be kept (the same tree, fewer draft forwards).
+Sampling: pruning a drawn child because of its own value would bias the candidates away from q, so there every
+drawn child is kept and the budget is spent while drawing (how many children a node gets depends only on its
+ancestors). That is what the decoder's recursive rejection over siblings (SpecInfer, Miao et al. arXiv
+2305.09781; without replacement) needs to keep the target's distribution. ``min_prob`` stops expanding nodes whose path probability falls below it (adaptive length).
 A chain is ``topk=1``.
 """
 from __future__ import annotations
