@@ -153,7 +153,7 @@ def load_head_with_lookup(path: str, target: Any, lookup_k: int = 8, max_ngram: 
     """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.baselines.LookupUnion`; greedy only,
     sampling drafts the head alone). By default the lookup's continuation drafts alone wherever it finds a match and
     the head elsewhere (``skip_after=0``); ``skip_after: null`` adds the lookup as one more branch of every head's
-    proposal instead (measured slower: README, "A head with prompt lookup")."""
+    proposal instead (measured slower: eval/RESULTS.md, "A head with prompt lookup")."""
     from eval.baselines import LookupUnion, NGramDrafter
 
     return LookupUnion(load_head(path, target, linear_dtype, decode), NGramDrafter(max_ngram, min_ngram), lookup_k,

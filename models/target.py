@@ -38,7 +38,7 @@ def rope_theta(config) -> float:
 
 
 def default_tap_layers(num_layers: int, method: str = "eagle3", n_taps: int = 5) -> list[int]:
-    """Default tap layers (decoder-layer indices) of a drafter family (README, "The frozen target").
+    """Default tap layers (decoder-layer indices) of a drafter family (its ``tap_method``).
 
     eagle3: ``[1, L//2 - 1, L - 4]`` (on shallow targets where these collide, the next layer up: L=6 →
     [1, 2, 3]). dflash: ``n_taps`` spread uniformly over layers 1..L-3
