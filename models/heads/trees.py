@@ -96,8 +96,10 @@ def grow_tree(root_logits: torch.Tensor, expand: Expand, spec: TreeSpec, sampler
         keep = sorted(sorted((n for n in new if logp[n] >= floor), key=lambda n: (-logp[n], n))[: spec.topk])
         if not keep:
             break
-        if sampler.greedy and sum(lp >= max(logp[n] for n in keep) for lp in logp) >= spec.budget:
-            break  # a node never scores above its parent and ties keep the older node: no deeper node can make the cut
+        if sampler.greedy:  # a node never scores above its parent, and ties keep the older node: once budget nodes
+            best = max(logp[n] for n in keep)  # score at least the best frontier node, no deeper node can make the cut
+            if sum(lp >= best for lp in logp) >= spec.budget:
+                break
         frontier, frontier_logits = keep, expand(keep, torch.tensor(tokens, dtype=torch.long),
                                                  torch.tensor(parents, dtype=torch.long))
     if len(tokens) > spec.budget:  # greedy re-ranking: a child never scores above its parent, so the best nodes
