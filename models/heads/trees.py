@@ -14,8 +14,8 @@ as every frontier node, since no deeper node could then be kept (the same tree, 
 Sampling: pruning a drawn child because of its own value would bias the candidates away from q, so there every
 drawn child is kept and the budget is spent while drawing (how many children a node gets depends only on its
 ancestors). That is what the decoder's recursive rejection over siblings (SpecInfer, Miao et al. arXiv
-2305.09781; without replacement) needs to keep the target's distribution. ``min_prob`` stops expanding nodes whose path probability falls below it (adaptive length).
-A chain is ``topk=1``.
+2305.09781; without replacement) needs to keep the target's distribution. ``min_prob`` stops expanding nodes
+whose path probability falls below it (adaptive length). A chain is ``topk=1``.
 """
 from __future__ import annotations
 
