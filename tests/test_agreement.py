@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from eval.agreement import agreement
+from eval.agreement import agreement, expected_acceptance
 from test_heads import DRAFT_CONFIGS, make_head
 
 
@@ -18,3 +18,19 @@ def test_agreement_counts_out_of_vocabulary_tokens_as_misses():
     assert 0 < res["in_draft_vocab_share"] < 1 and res["decode_rounds"] > 0
     # a token outside the draft vocabulary can never be drafted: agreement over all positions <= the in-vocab share
     assert res["teacher_forced_top1"] <= res["in_draft_vocab_share"]
+    by_scale = res["sampled_acceptance_at_1_by_draft_scale"]
+    assert list(by_scale) == ["0.8", "0.9", "1.0", "1.1", "1.25"] and all(0 <= v <= 1 for v in by_scale.values())
+
+
+def test_expected_acceptance_is_one_minus_total_variation_and_peaks_at_the_targets_own_scale():
+    g = torch.Generator().manual_seed(0)
+    target_logits = 3 * torch.randn(50, generator=g)
+    # a draft that is the target with its logits doubled: dividing them by 2 gives back p exactly
+    acc = expected_acceptance(target_logits, 2 * target_logits, [1.0, 2.0, 4.0])
+    assert torch.allclose(acc[1], torch.tensor(1.0), atol=1e-5) and acc[0] < 0.999 and acc[2] < 0.999
+    p, q = torch.softmax(target_logits, -1), torch.softmax(2 * target_logits, -1)
+    assert torch.allclose(acc[0], 1 - 0.5 * (p - q).abs().sum(), atol=1e-5)  # Σ min(p, q) = 1 − TV(p, q)
+    # the target restricted to a draft vocabulary (−inf elsewhere): exactly the mass of p outside it is lost
+    draft = target_logits.clone()
+    draft[:10] = float("-inf")
+    assert torch.allclose(expected_acceptance(target_logits, draft, [1.0])[0], 1 - p[:10].sum(), atol=1e-5)
