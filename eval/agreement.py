@@ -71,9 +71,12 @@ def main(cfg: DictConfig) -> None:
     from eval.run import _eos_ids, encode_prompt, load_head
     from models.target import load_tokenizer
 
-    scales = tuple(float(x) for x in cfg.scales)
+    try:
+        scales = tuple(float(x) for x in cfg.scales)
+    except (TypeError, ValueError):
+        scales = ()
     if not scales or min(scales) <= 0:
-        raise UserError(f"scales={list(cfg.scales)}: give one or more numbers > 0 (the draft's logits are divided by each)")
+        raise UserError(f"scales={cfg.scales}: give a list of one or more numbers > 0 (the draft's logits are divided by each)")
     target = instantiate(cfg.target)
     tok = load_tokenizer(cfg.target.name_or_path)
     head = load_head(cfg.path, target)

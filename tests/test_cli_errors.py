@@ -18,6 +18,8 @@ def run(*args, cwd=ROOT):
     (["data.prepare", "data.truncation=middle"], "truncation"),
     (["data.regenerate", "temperature=-1"], "temperature"),
     (["data.regenerate", "first_conversation=-1"], "first_conversation"),
+    (["eval.agreement", "scales=[1.0,0]"], "scales"),
+    (["eval.agreement", "scales=[a]"], "scales"),
     (["train.embedded_target", "ckpt_path=/nonexistent.ckpt", "experiment_target=micro", "run_dir=/tmp/ds-cli-test"], "ckpt_path"),
 ])
 def test_one_line_errors(args, expect):
