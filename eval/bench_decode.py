@@ -23,9 +23,10 @@ Beside them: T(1+D)/T(1) measured in isolation by :func:`eval.planner.verify_cos
 ``profile.context`` tokens, for D up to the largest block used; and ``torch.profiler`` tables (the top operators
 by self CPU time: calls, self ms per call) of one plain target step, one verify step of each block size used (a
 causal block: a tree's attention mask is not reproduced) and one ``propose`` (``propose_tree`` with ``tree``) of
-each drafter, per call (the mean of ``profile.repeat`` profiled calls). Writes ``bench_decode.json`` into the run
-directory and prints a table. The JSON records ``target.fast_linear`` (:mod:`models.cpu_linear`) and how many
-linear layers it packed, so a before/after pair is two runs.
+each drafter in the state of decoding (after a round that accepted ``profile.after_round`` tokens), per call (the
+mean of ``profile.repeat`` profiled calls). Writes ``bench_decode.json`` into the run directory and prints a
+table. The JSON records ``target.fast_linear`` (:mod:`models.cpu_linear`) and how many linear layers it packed,
+so a before/after pair is two runs.
 """
 from __future__ import annotations
 
@@ -136,20 +137,37 @@ def profile_target_steps(target: Any, sizes: list[int], context: int, top: int, 
 
 
 @torch.no_grad()
-def profile_propose(target: Any, drafter: Any, ids: torch.Tensor, k: int, tree: Any, top: int, repeat: int = 1) -> dict:
-    """One ``propose`` (``propose_tree`` when ``tree`` and the drafter has it) right after ``start`` on ``ids``."""
-    from eval.decoder import Sampler
+def profile_propose(target: Any, drafter: Any, ids: torch.Tensor, k: int, tree: Any, top: int, repeat: int = 1,
+                    after_round: int = 0) -> dict:
+    """One ``propose`` (``propose_tree`` when ``tree`` and the drafter has it). ``after_round`` = m > 0: in the
+    state of decoding, not of a fresh prompt: ``start`` on the prompt less its last m + 1 tokens, one round
+    (``propose``, then ``commit`` of the next m prompt tokens, as if m had been accepted), then the profiled call with
+    the last prompt token pending; so a head that catches up on the prompt in its first ``propose`` (MTP's depths,
+    EAGLE-3's context) is profiled at a round's cost. m = 0: right after ``start`` on the whole prompt."""
+    from eval.decoder import Sampler, target_rows
 
     ids = ids.view(1, -1)
+    T = ids.shape[1]
+    m = min(max(0, int(after_round)), T - 2)
     out = target(ids, cache=new_cache(), use_cache=True)
-    pending = int(target.model.lm_head(out.last_state[:, -1:])[0, -1].argmax())
     as_tree = tree is not None and hasattr(drafter, "propose_tree")
 
-    def call():
+    def propose(pending: int):
         return drafter.propose_tree(pending, tree, Sampler()) if as_tree else drafter.propose(pending, k, Sampler())
 
-    res = profile_call(call, lambda: drafter.start(ids, out), top, repeat)
-    return {"call": "propose_tree" if as_tree else "propose", "prompt_tokens": ids.shape[1], **res}
+    if m == 0:
+        pending = int(target.model.lm_head(out.last_state[:, -1:])[0, -1].argmax())
+        reset = lambda: drafter.start(ids, out)  # noqa: E731
+    else:
+        s, pending = T - m - 1, int(ids[0, -1])
+
+        def reset():
+            drafter.start(ids[:, :s], target_rows(out, list(range(s))))
+            propose(int(ids[0, s]))
+            drafter.commit(ids[0, s: s + m], target_rows(out, list(range(s, s + m))))
+
+    res = profile_call(lambda: propose(pending), reset, top, repeat)
+    return {"call": "propose_tree" if as_tree else "propose", "prompt_tokens": T, "after_round": m, **res}
 
 
 def tree_spec(node: Any) -> Any:
@@ -210,6 +228,10 @@ def check_config(cfg: DictConfig) -> Any:
     if min(int(cfg.profile.context), int(cfg.profile.top), int(cfg.profile.repeat)) < 1:
         raise UserError(f"profile.context={cfg.profile.context}, profile.top={cfg.profile.top}, "
                         f"profile.repeat={cfg.profile.repeat}: each must be >= 1")
+    after = cfg.profile.get("after_round", 0)
+    if not isinstance(after, int) or after < 0:
+        raise UserError(f"profile.after_round={after}: the tokens the round before the profiled propose accepted, "
+                        f"an integer >= 0 (0: right after start)")
     if int(cfg.isolated_reps) < 0:
         raise UserError(f"isolated_reps={cfg.isolated_reps}: must be >= 0 (0 skips the isolated measurement)")
     return tree_spec(cfg.tree)
@@ -314,7 +336,8 @@ def bench(cfg: DictConfig) -> dict:
     profiles = {"target": profile_target_steps(target, sizes, context, top, repeat), "propose": {}}
     for name, drafter in drafters.items():
         target.set_tap_layers(getattr(drafter, "tap_layers", default_taps))
-        profiles["propose"][name] = profile_propose(target, drafter, prompts[0][1], k, tree, top, repeat)
+        profiles["propose"][name] = profile_propose(target, drafter, prompts[0][1], k, tree, top, repeat,
+                                                    int(cfg.profile.get("after_round", 0)))
     target.set_tap_layers(default_taps)
 
     protocol = {
@@ -359,7 +382,8 @@ def table(result: dict) -> str:
     for kind, entries in (("target step", prof["target"]), ("propose", prof["propose"])):
         for key, e in entries.items():
             op = e["ops"][0] if e["ops"] else None
-            what = f"{key} token(s) over {e['context']}" if kind == "target step" else f"{key} ({e['call']})"
+            what = (f"{key} token(s) over {e['context']}" if kind == "target step"
+                    else f"{key} ({e['call']} after a round of {e.get('after_round', 0)})")
             lines.append(f"profile {kind} {what}: {e['self_cpu_ms']:.2f} ms self CPU"
                          + (f"; top {op['name']} {op['share']:.0%} ({op['calls']:g} calls)" if op else ""))
     return "\n".join(lines)

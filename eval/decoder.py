@@ -34,7 +34,7 @@ from models.heads.trees import TreeSpec, node_depths, tree_mask
 from models.target import TargetOutput
 
 __all__ = ["Drafter", "GenStats", "NoDrafter", "Proposal", "Sampler", "SpeculativeDecoder", "TreeDrafter", "TreeSpec",
-           "accept_greedy", "accept_sampling", "accept_tree", "crop", "keep_rows"]
+           "accept_greedy", "accept_sampling", "accept_tree", "crop", "keep_rows", "target_rows"]
 
 
 class NoDrafter:
@@ -253,7 +253,7 @@ class SpeculativeDecoder:
             if stop is not None or nxt in self.eos:
                 break
             t4 = time.perf_counter()
-            drafter.commit(block[0, keep], _rows(vout, keep))
+            drafter.commit(block[0, keep], target_rows(vout, keep))
             stats.t_draft += time.perf_counter() - t4
             if auto and prop.usual:
                 k.update(reached, n, stats.t_draft - t_draft_before, reached if is_tree else draft.numel(), draft.numel(),
@@ -288,7 +288,7 @@ def keep_rows(cache: Any, start: int, rows: list[int]) -> None:
     crop(cache, start + len(rows))
 
 
-def _rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
+def target_rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
     """The given positions of a target output (the accepted path of a verify block)."""
     if rows == list(range(len(rows))):
         return TargetOutput(tap_states=out.tap_states[:, : len(rows)], last_state=out.last_state[:, : len(rows)])

@@ -69,6 +69,7 @@ def test_bench_decode_writes_every_field(tiny_target_dir, prompts, tmp_path):
         assert 1 <= len(e["ops"]) <= 5 and e["self_cpu_ms"] > 0 and e["repeat"] == 2
         assert all(o["name"] and o["calls"] > 0 and o["self_ms_per_call"] >= 0 for o in e["ops"])
     assert res["profiles"]["propose"]["medusa"]["call"] == "propose_tree"
+    assert all(e["after_round"] == 3 for e in res["profiles"]["propose"].values())  # conf/bench_decode.yaml's default
     assert res["profiles"]["propose"]["ngram"]["call"] == "propose"
 
 
@@ -78,9 +79,49 @@ def test_bench_decode_writes_every_field(tiny_target_dir, prompts, tmp_path):
     (["tree={budget:4,depth:2,width:2}"], "unknown key"),
     (["tree={budget:x}"], "integers"),
     (["k=0"], "k=0"),
+    (["profile.after_round=-1"], "after_round=-1"),
 ])
 def test_bench_decode_bad_input(tiny_target_dir, prompts, tmp_path, extra, expect):
     from eval.bench_decode import bench
 
     with pytest.raises(UserError, match=expect):
         bench(compose_bench(base(tiny_target_dir, prompts, tmp_path) + extra))
+
+
+@pytest.mark.parametrize("tree", [None, {"budget": 4, "depth": 3, "topk": 2}])
+def test_the_profiled_propose_is_a_decoding_rounds(tiny_target_dir, tree):
+    """``profile.after_round=m``: the profiled call drafts what a head started on the prompt less its last token
+    drafts with that token pending (the round before it left a real decoding state), for MTP, whose depths catch
+    up on the prompt in their first ``propose``."""
+    import torch
+
+    from eval.bench_decode import profile_propose, tree_spec
+    from eval.decoder import Sampler
+    from eval.kvcache import new_cache
+    from models.heads.mtp import MTPHead
+    from models.target import FrozenTarget
+
+    torch.manual_seed(0)
+    target = FrozenTarget(str(tiny_target_dir))
+    head = MTPHead(target, num_modules=3).eval()
+    for p in head.parameters():  # random weights of a visible scale, so the drafts depend on the state
+        torch.nn.init.normal_(p, std=0.3)
+    spec = tree_spec(tree)
+    ids = torch.randint(0, target.vocab_size, (1, 20))
+    drafts = []
+    real = head.propose_tree if spec else head.propose
+
+    def spy(*args):  # records (tokens the head holds, the proposal): the rounds in reset() hold fewer
+        drafts.append((head._ids.numel(), real(*args)))
+        return drafts[-1][1]
+
+    setattr(head, "propose_tree" if spec else "propose", spy)
+    res = profile_propose(target, head, ids, 3, spec, top=3, repeat=1, after_round=3)
+    assert res["after_round"] == 3 and res["call"] == ("propose_tree" if spec else "propose")
+    profiled = [p for n, p in drafts if n == ids.shape[1] - 1]
+    assert len(profiled) == 2  # the warm-up call and the profiled one
+    out = target(ids[:, :-1], cache=new_cache(), use_cache=True)
+    head.start(ids[:, :-1], out)
+    fresh = real(int(ids[0, -1]), spec or 3, Sampler())
+    assert all(torch.equal(fresh.tokens, p.tokens) for p in profiled)
+    assert len(fresh.tokens) == (4 if spec else 3)
