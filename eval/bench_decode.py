@@ -148,7 +148,7 @@ def profile_propose(target: Any, drafter: Any, ids: torch.Tensor, k: int, tree: 
 
     ids = ids.view(1, -1)
     T = ids.shape[1]
-    m = min(max(0, int(after_round)), T - 2)
+    m = max(0, min(int(after_round), T - 2))  # a one-token prompt: no round before (m = 0)
     out = target(ids, cache=new_cache(), use_cache=True)
     as_tree = tree is not None and hasattr(drafter, "propose_tree")
 
