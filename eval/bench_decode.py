@@ -343,6 +343,8 @@ def bench(cfg: DictConfig) -> dict:
     protocol = {
         "target": str(cfg.target.name_or_path), "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
         "fast_linear": cfg.target.get("fast_linear"), "packed_linears": getattr(target, "packed_linears", None),
+        "linear_plans": {shape: [list(step) for step in plan]
+                         for shape, plan in getattr(target, "linear_kernels", {}).get("plans", {}).items()},
         "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "sets": [s.name for s in sets], "prompts": len(prompts), "turn": "first user turn",
         "max_new_tokens": max_new, "k": k, "tree": None if tree is None else vars(tree),
@@ -361,7 +363,7 @@ def bench(cfg: DictConfig) -> dict:
 def table(result: dict) -> str:
     """The short printed summary: one row per (temperature, drafter), then the profiles' totals and top operator."""
     p = result["protocol"]
-    lines = [f"target {p['target']} ({p['dtype']}, fast_linear={p['fast_linear']}, {p['packed_linears']} linears packed), "
+    lines = [f"target {p['target']} ({p['dtype']}, fast_linear={p['fast_linear']}, {p['packed_linears']} linears given other kernels), "
              f"{p['threads']} threads; {p['prompts']} prompts of {','.join(p['sets'])}, {p['max_new_tokens']} new tokens, "
              f"k={p['k']}" + (f", tree={p['tree']}" if p["tree"] else ""), ""]
     head = ["T", "drafter", "T(1) ms", "τ", "n", "T(n)/T(1)", "isolated", "draft/tok", "decoder", "tok/s", "speed-up",

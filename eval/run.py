@@ -114,10 +114,11 @@ def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
 
 def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict | None = None) -> Any:
     """A trained draft head exported by ``python -m train`` (``run_dir/draft``). Where the target's linear layers
-    go through oneDNN's packed weights (``target.fast_linear``), so do the head's: a tree level or a block drafts
-    several rows at once, where MKL's product costs 2–3× one row (:mod:`models.cpu_linear`). ``linear_dtype``:
-    ``auto`` (default) times each layer here on one row and keeps the fastest of MKL, fp32 and bf16 packing
-    (:func:`models.cpu_linear.pack_fastest`); ``float32`` packs every layer in fp32, ``bfloat16`` in bf16 (half the
+    take CPU kernels chosen for speed (``target.fast_linear``), so do the head's (:mod:`models.cpu_linear`): a tree
+    level or a block drafts several rows at once, where MKL's product can cost 2–3× one row. ``linear_dtype``:
+    ``auto`` (default) times each layer here at 1, 2, 4 and 8 rows and gives each row count the fastest of MKL,
+    MKL on a transposed copy, fp32 and bf16 packing (:func:`models.cpu_linear.pack_fastest`); ``float32`` packs
+    every layer in fp32, ``bfloat16`` in bf16 (half the
     bytes a drafted token reads; CPUs with bf16 instructions). Measure with ``eval.bench_decode``; the draft's
     logits change in their last bits, the output does not. ``decode``: settings that only change how the head drafts
     (its class's ``decode_settings``, such as DSpark's ``confidence_threshold``), replacing the exported ones."""
@@ -140,7 +141,7 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
         except (TypeError, ValueError):
             raise UserError(f"decode.{key}={value!r}: expected a {type(old).__name__}") from None
         head.init_args[key] = getattr(head, key)
-    if getattr(target, "packed_linears", 0):
+    if getattr(target, "fast_linear", False):
         if linear_dtype == "auto":
             pack_fastest(head)
         else:

@@ -1,25 +1,40 @@
-"""fp32 linear layers through oneDNN with pre-packed weights, for a frozen target on a CPU.
+"""Linear layers with a CPU kernel chosen by measurement, per layer shape and per row count, for inference.
 
-Why: verifying a block of 2–16 tokens multiplies each weight by a few rows. PyTorch's CPU build sends that
-to MKL's sgemm, which on the CPU we measured (AMD EPYC, 2 cores) costs 2× one row at 2 rows and about 2.3×
-at 4–8 rows for SmolLM2's 49,152 × 576 output head, so a verify pass of 4 tokens cost 1.65–1.8× a one-token
-step where the weights are read once either way. oneDNN with the weight packed once ahead of time (the kernel
-inductor's CPU freezing uses) does the same product at 0.3–0.5× of MKL's time for 2–16 rows, and on the whole
-model it is also faster for one row (a SmolLM2 step: 77.5 against 88.3 ms), so every row count goes through
-it: plain decoding gets the same improvement as verification, and the speed-up stays an honest ratio.
-``python -m eval.bench_decode`` measures the effect on a whole target (``target.fast_linear=false``: MKL).
+Why: a decoding step multiplies each weight by one row (plain decoding, a chain's draft step) or a few (verifying a
+block of 2–16 tokens, a tree level, the tokens a round accepted), and no single CPU kernel is the fastest at every
+row count on every CPU. Measured on two 2-core machines:
+- PyTorch's ``F.linear`` (MKL's sgemm on the weight as stored, out × in) costs about 2× one row at 2–4 rows on an
+  AMD EPYC, and on a Xeon with AMX jumps 2–3× from 3 to 4 rows;
+- MKL on a transposed copy of the weight (in × out: ``x @ Wᵀ``, ``mkl_t``) is the fastest one-row product on that
+  Xeon (SmolLM2's step 34–36 ms against 42–44 ms with oneDNN everywhere), and slower than oneDNN at 2–8 rows there;
+- oneDNN with the weight packed once ahead of time (the kernel inductor's CPU freezing uses; ``float32``) is 0.3–0.5×
+  MKL's time at 2–16 rows on the AMD, but has a fixed cost of about 20 µs a call on the Xeon, most of a small
+  layer's one-row product; ``bfloat16`` packs a bf16 copy (half the bytes; a draft's decoding only, where the
+  verifier keeps the output exact whatever the draft computes).
+So :func:`choose_kernels` times each candidate on every layer of a shape in turn (the weights stream from memory
+as in a forward pass) at 1, 2, 4 and 8 rows, and gives each layer a :class:`PackedLinear` with a plan: which kernel
+serves which row counts. The target gets fp32 kernels only, and plain decoding the same layers as verification, so
+the speed-up stays an honest ratio (``python -m eval.bench_decode`` measures a whole target; ``target.fast_linear=
+false``: ``F.linear`` throughout, ``packed``: oneDNN fp32 throughout).
 
-The results differ from MKL's in the last bits (another summation order), as any change of kernel does; the
-decoder's numerical-tie classification (:mod:`eval.lossless`) covers that.
+The kernels differ in their last bits (another summation order), and a layer whose plan changes kernel between one
+row and several gives plain decoding's one-row logits other last bits than a verify block's; the decoder's
+numerical-tie classification (:mod:`eval.lossless`) tells such ties from defects.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections import defaultdict
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+KINDS = ("mkl", "mkl_t", "float32", "bfloat16")  # F.linear, MKL on Wᵀ, oneDNN packed fp32, oneDNN packed bf16
+FP32_KINDS = ("mkl", "mkl_t", "float32")          # what a target may use: fp32 products only
+_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+Plan = tuple[tuple[int, str], ...]                # ((first row count, kind), ...), ascending, starting at 1
 
 
 def available() -> bool:
@@ -30,50 +45,93 @@ def available() -> bool:
         return False
 
 
-class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` sharing ``weight``/``bias`` with the layer it replaces, plus a oneDNN-packed copy of the
-    weight that fp32 CPU inputs without autograd go through (packed again after the weight changed in place).
-    ``dtype=torch.bfloat16`` packs a bf16 copy: half the bytes a product reads, inputs cast to bf16 and outputs
-    back to fp32 (for a draft's decoding, where the verifier keeps the output exact whatever the draft computes).
-    ``from_rows``: inputs of fewer rows keep MKL's product (:func:`pack_fastest` sets it where MKL wins one row and
-    the packed weight several)."""
+def _kind_for(plan: Plan, rows: int) -> str:
+    """The kernel ``plan`` gives an input of ``rows`` rows."""
+    kind = plan[0][1]
+    for first, k in plan[1:]:
+        if rows < first:
+            break
+        kind = k
+    return kind
 
-    def __init__(self, lin: nn.Linear, dtype: torch.dtype = torch.float32, from_rows: int = 1):
+
+def _derive(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """The weight [out, in] as kernel ``kind`` reads it: transposed and contiguous, or packed by oneDNN."""
+    if kind == "mkl_t":
+        return w.t().contiguous()  # [in, out]
+    return torch.ops.mkldnn._reorder_linear_weight(w.to(_DTYPE[kind]), None)
+
+
+def _apply(x: torch.Tensor, kind: str, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 x [..., d_in] through a derived weight → fp32 [..., d_out]."""
+    if kind == "mkl_t":
+        y = torch.matmul(x, w)
+        return y if bias is None else y.add_(bias)
+    if kind == "float32":
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, bias, "none", [], "").float()
+
+
+def _bias_for(bias: torch.Tensor | None, kind: str) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().to(_DTYPE.get(kind, torch.float32))
+
+
+def _plan_of(dtype: torch.dtype, from_rows: int, below: str) -> Plan:
+    kind = str(dtype).removeprefix("torch.")
+    return ((1, kind),) if from_rows <= 1 else ((1, below), (from_rows, kind))
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` sharing ``weight``/``bias`` with the layer it replaces, whose fp32 CPU inputs without autograd
+    go through the kernel its ``plan`` gives their row count (``mkl``: ``F.linear``; ``mkl_t``: a transposed copy;
+    ``float32``/``bfloat16``: a oneDNN-packed copy, bf16 inputs cast and outputs cast back). Copies are made again
+    after the weight changed in place. The short form ``PackedLinear(lin, dtype, from_rows)``: the packed weight of
+    ``dtype`` from ``from_rows`` rows on, MKL below."""
+
+    def __init__(self, lin: nn.Linear, dtype: torch.dtype = torch.float32, from_rows: int = 1, plan: Plan | None = None):
         super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
         self.weight, self.bias = lin.weight, lin.bias  # the same Parameters (tied weights stay tied)
-        self.__dict__["_dtype"] = dtype
-        self.__dict__["_from_numel"] = from_rows * lin.in_features
+        self.__dict__["plan"] = tuple(plan) if plan else _plan_of(dtype, from_rows, "mkl")
         self._pack()
+
+    @property
+    def kinds(self) -> set[str]:
+        return {k for _, k in self.plan}
 
     def _pack(self) -> None:
         self.__dict__["_version"] = self._versions()
-        self.__dict__["_packed"] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().to(self._dtype), None)
-        self.__dict__["_bias"] = None if self.bias is None else self.bias.detach().to(self._dtype)
+        w = self.weight.detach()
+        self.__dict__["_w"] = {k: _derive(w, k) for k in self.kinds if k != "mkl"}
+        self.__dict__["_b"] = {k: _bias_for(self.bias, k) for k in self.kinds}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.numel() == 0 or x.numel() < self._from_numel or x.dtype != torch.float32 or x.device.type != "cpu"
-                or self.weight.device.type != "cpu" or torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
+        if (x.numel() == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu"
+                or torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        kind = _kind_for(self.plan, x.numel() // self.in_features)
+        if kind == "mkl":
             return F.linear(x, self.weight, self.bias)
         if self._versions() != self._version:  # an optimiser step or load_state_dict since packing
             self._pack()
-        return _product(x, self._packed, self._bias, self._dtype)
+        return _apply(x, kind, self._w[kind], self._b[kind])
 
     def _versions(self) -> tuple[int, int]:
         return self.weight._version, -1 if self.bias is None else self.bias._version
 
 
 class FusedLinears:
-    """Linear layers that read the same input (q/k/v, gate/up) as one packed product, for inference.
+    """Linear layers that read the same input (q/k/v, gate/up) as one product, for inference.
 
     A one-row draft step is mostly per-call cost on these CPUs (a drafted EAGLE-3 token on SmolLM2: 8 products
-    of 0.1–5 M weights, 72% of its time), so three products in one call save two calls' overhead. The packed weight
-    is a copy, packed again once a source weight has changed in place (an optimiser step, ``load_state_dict``);
-    :meth:`__call__` returns None (the caller uses the separate layers) under autograd, for inputs that are not
-    fp32 on a CPU and for inputs of fewer than ``from_rows`` rows."""
+    of 0.1–5 M weights, 72% of its time), so three products in one call save two calls' overhead. The concatenated
+    weight is a copy, made again once a source weight has changed in place. ``plan`` as :class:`PackedLinear`'s, with
+    ``apart`` for row counts where the layers run one by one (the short form: ``dtype`` from ``from_rows`` rows on);
+    :meth:`__call__` returns None (the caller uses the separate layers) there, under autograd, and for inputs that
+    are not fp32 on a CPU."""
 
-    def __init__(self, *lins: nn.Linear, dtype: torch.dtype = torch.float32, from_rows: int = 1):
-        self.lins, self.sizes, self.dtype = lins, [lin.out_features for lin in lins], dtype
-        self.from_numel = from_rows * lins[0].in_features
+    def __init__(self, *lins: nn.Linear, dtype: torch.dtype = torch.float32, from_rows: int = 1, plan: Plan | None = None):
+        self.lins, self.sizes = lins, [lin.out_features for lin in lins]
+        self.plan = tuple(plan) if plan else _plan_of(dtype, from_rows, "apart")
         self._pack()
 
     def _versions(self) -> list[int]:
@@ -81,28 +139,24 @@ class FusedLinears:
 
     def _pack(self) -> None:
         self.versions = self._versions()
-        w = torch.cat([lin.weight.detach() for lin in self.lins]).to(self.dtype)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        w = torch.cat([lin.weight.detach() for lin in self.lins])
         biases = [lin.bias for lin in self.lins]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, self.lins)]
-        ).to(self.dtype)
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, self.lins)])
+        kinds = {k for _, k in self.plan if k != "apart"}
+        self.w = {k: _derive(w, k) for k in kinds}
+        self.b = {k: _bias_for(bias, k) for k in kinds}
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """x [..., d_in] → one output [..., out_i] per layer, or None where the fused product must not be used."""
-        if (torch.is_grad_enabled() or x.numel() == 0 or x.numel() < self.from_numel or x.dtype != torch.float32
-                or x.device.type != "cpu"):
+        if torch.is_grad_enabled() or x.numel() == 0 or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        kind = _kind_for(self.plan, x.numel() // self.lins[0].in_features)
+        if kind == "apart":
             return None
         if self._versions() != self.versions:
             self._pack()
-        return _product(x, self.packed, self.bias, self.dtype).split(self.sizes, -1)
-
-
-def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 x [..., d_in] times a packed weight of ``dtype`` → fp32 [..., d_out]."""
-    if dtype == torch.float32:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, bias, "none", [], "").float()
+        return _apply(x, kind, self.w[kind], self.b[kind]).split(self.sizes, -1)
 
 
 def fused(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -111,28 +165,31 @@ def fused(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None
     return f(x) if f is not None else None
 
 
+def _plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, layer) of every plain fp32 CPU ``nn.Linear`` in ``model``."""
+    return [(parent, name, child) for parent in list(model.modules()) for name, child in list(parent.named_children())
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
+
+
 def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
-    """Replace every plain fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear` (weights packed in
-    ``dtype``: fp32, or bf16 for a draft's decoding); returns how many. Modules that name the linears reading one
-    input (``fused_linears``: q/k/v, gate/up) also get a :class:`FusedLinears` of them. A no-op (0) where oneDNN is
+    """Replace every plain fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear` of one packed weight in
+    ``dtype`` for every row count; returns how many. Modules that name the linears reading one input
+    (``fused_linears``: q/k/v, gate/up) also get a :class:`FusedLinears` of them. A no-op (0) where oneDNN is
     missing or the check of one layer disagrees with ``F.linear`` (bf16: within its rounding)."""
     if not available():
         return 0
     done = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                if done == 0:  # one check that the op works here and agrees with MKL
-                    packed = _checked_pack(child, dtype, torch.Generator().manual_seed(0))
-                    if packed is None:
-                        return 0
-                else:
-                    packed = PackedLinear(child, dtype)
-                setattr(parent, name, packed)
-                done += 1
+    for parent, name, child in _plain_linears(model):
+        if done == 0:  # one check that the op works here and agrees with MKL
+            packed = _checked_pack(child, dtype, torch.Generator().manual_seed(0))
+            if packed is None:
+                return 0
+        else:
+            packed = PackedLinear(child, dtype)
+        setattr(parent, name, packed)
+        done += 1
     for m in model.modules():
-        names = getattr(m, "fused_linears", ())
-        lins = [getattr(m, n) for n in names]
+        lins = [getattr(m, n) for n in getattr(m, "fused_linears", ())]
         if done and lins and all(lin.weight.dtype == torch.float32 and lin.weight.device.type == "cpu" for lin in lins):
             m.__dict__["_fused"] = FusedLinears(*lins, dtype=dtype)
     return done
@@ -153,77 +210,143 @@ def _checked_pack(lin: nn.Linear, dtype: torch.dtype, gen: torch.Generator, rows
     return packed if ok else None
 
 
-def _median_us(f, x: torch.Tensor, reps: int = 15) -> float:
-    """Median wall time of f(x) in µs after two warm-up calls."""
+def _usable(kinds: Iterable[str], lin: nn.Linear, gen: torch.Generator) -> list[str]:
+    """The kinds that run here: the MKL ones always, a packed one where oneDNN packs ``lin`` and agrees with MKL."""
+    return [k for k in kinds if k in ("mkl", "mkl_t") or available() and _checked_pack(lin, _DTYPE[k], gen) is not None]
+
+
+def _us_per_call(fs: list[Callable], x: torch.Tensor, reps: int = 5) -> float:
+    """Median over ``reps`` passes of one call of each f in ``fs`` on x, in µs a call (one unrecorded pass first).
+    A pass over every layer of a shape reads their weights from memory, as a forward pass does."""
     with torch.no_grad():
-        f(x), f(x)
+        for f in fs:
+            f(x)
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            f(x)
+            for f in fs:
+                f(x)
             ts.append(time.perf_counter() - t0)
-    return sorted(ts)[reps // 2] * 1e6
+    return sorted(ts)[reps // 2] / len(fs) * 1e6
 
 
-def pack_fastest(model: nn.Module, rows: tuple[int, int] = (1, 3)) -> dict[str, int]:
-    """For a draft's decoding: give each plain fp32 CPU ``nn.Linear`` of ``model`` the fastest of MKL's product (left
-    as it is), a :class:`PackedLinear` in fp32 or bf16, or one that keeps MKL for a single row, and each module's
-    ``fused_linears`` one :class:`FusedLinears` (fp32 or bf16, for every row count or from 2 rows) where that beats
-    its layers one by one. Each choice is timed here on one row and on ``rows[1]`` rows, and wins by the sum of the
-    two: a draft multiplies one row (a chain's step) and several (a tree level, the accepted tokens a round
-    extends the context with). Which is fastest depends on the CPU, the shape and the row count (on a 2-core AMD
-    EPYC: MKL for one row of the decoder layer's products, oneDNN's packed fp32 weight for 2–4 rows, where MKL
-    costs about twice its one-row time; packing for the output head at any row count), so it is measured, not
-    assumed. Returns how many layers took each kernel (``mkl_one_row``: packed layers that keep MKL for one row)
-    and how many modules fused; {} where oneDNN is missing."""
+def _best_plan(times: dict[str, list[float]], rows: tuple[int, ...], margin: float = 0.05) -> Plan:
+    """Per row count the kind of least time, where the previous row count's kind is not within ``margin`` of it
+    (fewer switches: timing noise decides nothing, and one kernel across row counts keeps one summation order);
+    consecutive row counts of one kind merged."""
+    plan: list[tuple[int, str]] = []
+    for i, r in enumerate(rows):
+        kind = min(times, key=lambda k: times[k][i])
+        if plan and times[plan[-1][1]][i] <= times[kind][i] * (1 + margin):
+            kind = plan[-1][1]
+        if not plan or plan[-1][1] != kind:
+            plan.append((1 if not plan else r, kind))
+    return tuple(plan)
+
+
+def choose_kernels(model: nn.Module, kinds: Iterable[str] = KINDS, rows: tuple[int, ...] = (1, 2, 4, 8),
+                   fuse: bool = True) -> dict:
+    """Give each plain fp32 CPU ``nn.Linear`` of ``model`` the fastest of ``kinds`` at each row count of ``rows``
+    (timed here, all layers of one shape together), and, with ``fuse``, each module's ``fused_linears`` one
+    :class:`FusedLinears` for the row counts where that beats its layers one by one. A layer whose plan is
+    ``F.linear`` throughout stays as it is. Which kernel wins depends on the CPU, the shape and the row count (see
+    the module's docstring), so it is measured, not assumed. Returns the counts: ``replaced`` and ``kept`` layers,
+    per kind the (layer, row count) pairs it serves, ``fused`` modules, and ``plans`` (shape → plan)."""
+    layers = _plain_linears(model)
+    counts: dict = {"replaced": 0, "kept": 0, "fused": 0, **{k: 0 for k in KINDS}, "plans": {}}
+    if not layers:
+        return counts
+    gen = torch.Generator().manual_seed(0)
+    kinds = _usable(kinds, layers[0][2], gen)
+    groups: dict[tuple, list] = defaultdict(list)
+    for entry in layers:
+        lin = entry[2]
+        groups[(lin.in_features, lin.out_features, lin.bias is not None)].append(entry)
+    for (d_in, d_out, _), entries in groups.items():
+        lins = [e[2] for e in entries]
+        xs = [torch.randn(r, d_in, generator=gen) for r in rows]
+        times = {}
+        for k in kinds:
+            fs = lins if k == "mkl" else [PackedLinear(lin, plan=((1, k),)) for lin in lins]
+            times[k] = [_us_per_call(fs, x) for x in xs]
+        plan = _best_plan(times, rows)
+        counts["plans"][f"{d_in}x{d_out}"] = plan
+        for r in rows:
+            counts[_kind_for(plan, r)] += len(lins)
+        if plan == ((1, "mkl"),):
+            counts["kept"] += len(lins)
+            continue
+        for parent, name, lin in entries:
+            setattr(parent, name, PackedLinear(lin, plan=plan))
+        counts["replaced"] += len(lins)
+    if fuse:
+        for m in model.modules():
+            lins = [getattr(m, n) for n in getattr(m, "fused_linears", ())]
+            if not lins or not all(isinstance(lin, nn.Linear) and lin.weight.dtype == torch.float32
+                                    and lin.weight.device.type == "cpu" for lin in lins):
+                continue
+            xs = [torch.randn(r, lins[0].in_features, generator=gen) for r in rows]
+            times = {"apart": [_us_per_call([lambda v: [lin(v) for lin in lins]], x) for x in xs]}
+            for k in (k for k in kinds if k != "mkl"):
+                f = FusedLinears(*lins, plan=((1, k),))
+                times[k] = [_us_per_call([f], x) for x in xs]
+            plan = _best_plan(times, rows)
+            if plan != ((1, "apart"),):
+                m.__dict__["_fused"] = FusedLinears(*lins, plan=plan)
+                counts["fused"] += 1
+    return counts
+
+
+def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds: Iterable[str] = FP32_KINDS,
+                         rows: tuple[int, ...] = (1, 2, 4, 8), rounds: int = 2, reps: int = 2) -> dict:
+    """For a target: one kernel for all of ``model``'s plain fp32 CPU linear layers per row count of ``rows``, the
+    one whose whole forward ``step(r)`` (r tokens) took least time here. Whole forwards, not layers timed apart:
+    a layer's product costs what it costs between the others (its weights streamed from memory, the caches holding
+    the others'), which timing it alone does not show. ``rounds`` passes over the kinds, each step timed ``reps``
+    times after one unrecorded call; the least median wins. Every layer becomes a :class:`PackedLinear` with the
+    plan (``F.linear`` throughout leaves them as they are). Returns ``replaced``, ``kept``, ``plans`` ({"all":
+    plan}) and ``step_ms`` (kind → ms per row count)."""
+    layers = _plain_linears(model)
+    out: dict = {"replaced": 0, "kept": len(layers), "plans": {}, "step_ms": {}}
+    if not layers:
+        return out
+    kinds = _usable(kinds, layers[0][2], torch.Generator().manual_seed(0))
+    swapped = [PackedLinear(lin, plan=((1, "mkl"),)) for _, _, lin in layers]
+    for (parent, name, _), p in zip(layers, swapped):
+        setattr(parent, name, p)
+    best: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for k in kinds:
+                for p in swapped:
+                    p.__dict__["plan"] = ((1, k),)
+                    p._pack()
+                ms = []
+                for r in rows:
+                    step(r)
+                    ts = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        step(r)
+                        ts.append(time.perf_counter() - t0)
+                    ms.append(sorted(ts)[(reps - 1) // 2] * 1e3)
+                best[k] = [min(a, b) for a, b in zip(best[k], ms)] if k in best else ms
+    plan = _best_plan(best, rows)
+    out["plans"]["all"], out["step_ms"] = plan, {k: [round(t, 3) for t in v] for k, v in best.items()}
+    if plan == ((1, "mkl"),):
+        for (parent, name, lin), _ in zip(layers, swapped):
+            setattr(parent, name, lin)
+        return out
+    for p in swapped:
+        p.__dict__["plan"] = plan
+        p._pack()
+    out["replaced"], out["kept"] = len(layers), 0
+    return out
+
+
+def pack_fastest(model: nn.Module, rows: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+    """For a draft's decoding: :func:`choose_kernels` over every kind, bf16 packing included, and fused q/k/v and
+    gate/up products; {} where oneDNN is missing."""
     if not available():
         return {}
-    one, several = rows
-    counts = {"mkl": 0, "float32": 0, "bfloat16": 0, "mkl_one_row": 0, "fused": 0}
-    ok = {torch.float32: None, torch.bfloat16: None}  # whether this build's kernel runs and agrees with F.linear
-    gen = torch.Generator().manual_seed(0)
-
-    def timed(f: Callable, d_in: int) -> tuple[float, float]:
-        return tuple(_median_us(f, torch.randn(r, d_in, generator=gen)) for r in (one, several))
-
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
-                continue
-            t = {"mkl": timed(child, child.in_features)}
-            packed = {}
-            for dt in (torch.float32, torch.bfloat16):
-                if ok[dt] is False:
-                    continue
-                p = _checked_pack(child, dt, gen) if ok[dt] is None else PackedLinear(child, dt)  # first layer: checked
-                ok[dt] = p is not None
-                if ok[dt]:
-                    packed[dt] = p
-                    t[dt] = timed(p, child.in_features)
-            # (total time, what): MKL, a packed weight for every row count, or MKL for one row and packed for more
-            cands = [(sum(t["mkl"]), None, 0)] + [c for dt in packed for c in (
-                (sum(t[dt]), dt, 1), (t["mkl"][0] + t[dt][1], dt, 2))]
-            _, dt, from_rows = min(cands, key=lambda c: c[0])
-            if dt is None:
-                counts["mkl"] += 1
-                continue
-            counts[str(dt).removeprefix("torch.")] += 1
-            counts["mkl_one_row"] += from_rows > 1
-            setattr(parent, name, PackedLinear(child, dt, from_rows) if from_rows > 1 else packed[dt])
-    for m in model.modules():
-        lins = [getattr(m, n) for n in getattr(m, "fused_linears", ())]
-        if not lins or not all(isinstance(lin, nn.Linear) and lin.weight.dtype == torch.float32
-                                and lin.weight.device.type == "cpu" for lin in lins):
-            continue
-        apart = timed(lambda v: [lin(v) for lin in lins], lins[0].in_features)  # each layer with its own choice
-        cands = [(sum(apart), None)]
-        for dt in (torch.float32, torch.bfloat16):
-            if ok[dt]:
-                f = FusedLinears(*lins, dtype=dt)
-                tf = timed(f, lins[0].in_features)
-                cands += [(sum(tf), f), (apart[0] + tf[1], FusedLinears(*lins, dtype=dt, from_rows=2))]
-        _, best = min(cands, key=lambda c: c[0])
-        if best is not None:
-            m.__dict__["_fused"] = best
-            counts["fused"] += 1
-    return counts
+    return choose_kernels(model, KINDS, rows)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from data.errors import UserError
-from models.cpu_linear import pack_linears
+from models.cpu_linear import choose_model_kernels, pack_linears
 from models.gguf import SMOLLM2, converted_dir
 
 EMBEDDED = "embedded"
@@ -109,7 +109,7 @@ class FrozenTarget(nn.Module):
 
     def __init__(self, name_or_path: str | None = EMBEDDED, tap_layers: Sequence[int] | None = None,
                  dtype: str = "float32", model: nn.Module | None = None, tap_method: str = "eagle3",
-                 fast_linear: bool = True):
+                 fast_linear: bool | str = True):
         super().__init__()
         if model is None:
             if not name_or_path:
@@ -126,10 +126,21 @@ class FrozenTarget(nn.Module):
             model = model.to(resolve_dtype(dtype))
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "module")
         self.model = model.eval().requires_grad_(False)
-        # fp32 on a CPU: multi-row products through oneDNN with packed weights (models.cpu_linear; one row keeps MKL)
-        self.packed_linears = pack_linears(self.model) if fast_linear else 0
+        # fp32 on a CPU: each linear layer's product by the kernel timed fastest here per row count (models.cpu_linear);
+        # "packed": oneDNN's packed fp32 weight for every row count; false: F.linear
+        if fast_linear not in (True, False, "packed"):
+            raise UserError(f"target.fast_linear={fast_linear!r}: true (kernels timed here), packed or false")
+        self.fast_linear = fast_linear
+        self.linear_kernels = choose_model_kernels(self.model, self._timing_step) if fast_linear is True else {}
+        self.packed_linears = (self.linear_kernels.get("replaced", 0) if fast_linear is True
+                               else pack_linears(self.model) if fast_linear == "packed" else 0)
         self.num_layers: int = self.model.config.num_hidden_layers
         self.set_tap_layers(list(tap_layers) if tap_layers is not None else default_tap_layers(self.num_layers, tap_method))
+
+    def _timing_step(self, rows: int) -> None:
+        """One forward of ``rows`` tokens, no cache: what :func:`choose_model_kernels` times."""
+        ids = torch.zeros(1, rows, dtype=torch.long, device=next(self.model.parameters()).device)
+        self.model(input_ids=ids, use_cache=False)
 
     def set_tap_layers(self, taps: Sequence[int]) -> None:
         """Choose the decoder layers whose outputs are returned as ``tap_states`` (checked against the depth)."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from transformers import DynamicCache
 
 from conftest import tiny_model
 from eval.decoder import crop, keep_rows
 from eval.kvcache import BufferedLayer, new_cache
+from data.errors import UserError
 from models.cpu_linear import PackedLinear
 from models.target import FrozenTarget
 
@@ -69,3 +71,60 @@ def test_a_packed_layer_keeps_mkl_below_its_row_count():
         a, b = fused(several)
         torch.testing.assert_close(a, lin(several), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(b, other(several), rtol=1e-4, atol=1e-4)
+
+
+def test_a_plan_gives_each_row_count_its_kernel():
+    """``PackedLinear(plan=...)``: each row count goes through the kernel its bucket names, bit for bit that kernel's
+    product; an in-place change of the weight is followed; FusedLinears' plan may keep the layers apart."""
+    from models.cpu_linear import FusedLinears, available
+
+    g = torch.Generator().manual_seed(0)
+    lin, other = torch.nn.Linear(24, 40), torch.nn.Linear(24, 8)
+    packed_kind = "float32" if available() else "mkl"
+    layer = PackedLinear(lin, plan=((1, "mkl_t"), (2, "mkl"), (4, packed_kind)))
+    pure = PackedLinear(lin, plan=((1, packed_kind),))
+    with torch.no_grad():
+        for rows, want in ((1, lambda x: x @ lin.weight.t().contiguous() + lin.bias),
+                           (2, lambda x: torch.nn.functional.linear(x, lin.weight, lin.bias)),
+                           (3, lambda x: torch.nn.functional.linear(x, lin.weight, lin.bias)),
+                           (4, pure), (9, pure)):
+            x = torch.randn(1, rows, 24, generator=g)
+            assert torch.equal(layer(x), want(x)), rows
+            torch.testing.assert_close(layer(x), lin(x), rtol=1e-4, atol=1e-4)
+        lin.weight.mul_(2)  # an optimiser step or load_state_dict
+        x = torch.randn(1, 1, 24, generator=g)
+        torch.testing.assert_close(layer(x), lin(x), rtol=1e-4, atol=1e-4)
+        f = FusedLinears(lin, other, plan=((1, "apart"), (2, "mkl_t")))
+        assert f(x) is None
+        a, b = f(torch.randn(1, 3, 24, generator=g).expand(1, 3, 24))
+        assert a.shape == (1, 3, 40) and b.shape == (1, 3, 8)
+
+
+def test_the_plan_switches_kernel_only_for_a_clear_gain():
+    from models.cpu_linear import _best_plan
+
+    times = {"mkl": [10.0, 19.0, 40.0, 80.0], "mkl_t": [9.0, 19.5, 30.0, 60.0], "float32": [30.0, 30.0, 31.0, 40.0]}
+    # 1 row: mkl_t; 2 rows: mkl is faster, by less than 5%, so mkl_t stays; 4: mkl_t; 8: float32 (40 against 60)
+    assert _best_plan(times, (1, 2, 4, 8)) == ((1, "mkl_t"), (8, "float32"))
+    assert _best_plan({"mkl": [1.0, 1.0]}, (1, 4)) == ((1, "mkl"),)
+
+
+@pytest.mark.parametrize("fast", [True, "packed"])
+def test_a_targets_chosen_kernels_agree_with_f_linear(fast):
+    """``fast_linear=true`` (one kernel per row count for the whole model, timed here on whole forwards) and
+    ``packed`` give the logits of ``fast_linear=false`` within fp32 rounding at every row count."""
+    model = tiny_model("llama", layers=2)
+    plain = FrozenTarget(model=model, tap_layers=[1], fast_linear=False)
+    fast_t = FrozenTarget(model=copy.deepcopy(model), tap_layers=[1], fast_linear=fast)
+    if fast is True:
+        plan = fast_t.linear_kernels["plans"]["all"]
+        assert plan[0][0] == 1 and all(k in ("mkl", "mkl_t", "float32") for _, k in plan)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    for n in (1, 2, 3, 4, 9):
+        torch.testing.assert_close(fast_t(ids[:, :n], return_logits=True).logits,
+                                   plain(ids[:, :n], return_logits=True).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_bad_fast_linear_is_one_line():
+    with pytest.raises(UserError, match="target.fast_linear='fast'"):
+        FrozenTarget(model=tiny_model("llama", layers=1), fast_linear="fast")
