@@ -291,7 +291,9 @@ def auto_k_factory(target: Any, max_k: int = 8, context: int = 256, reps: int = 
     device = str(next(target.parameters()).device)
     costs = verify_costs(target.model, max(max_k, max_nodes or 0), context, reps, device)
     ratio = [c / costs[0] for c in costs]
-    print("k=auto: verify cost T(1+d)/T(1) = " + ", ".join(f"{r:.2f}" for r in ratio) + f" (T(1) {costs[0] * 1e3:.1f} ms)", flush=True)
+    plan = getattr(target, "linear_kernels", {}).get("plans", {}).get("all")
+    print("k=auto: verify cost T(1+d)/T(1) = " + ", ".join(f"{r:.2f}" for r in ratio) + f" (T(1) {costs[0] * 1e3:.1f} ms)"
+          + (f"; the target's kernels by row count: {', '.join(f'{r}+ {k}' for r, k in plan)}" if plan else ""), flush=True)
     return lambda tree=None: AutoK(ratio, costs[0], max_k, tree)
 
 

@@ -231,14 +231,19 @@ def _us_per_call(fs: list[Callable], x: torch.Tensor, reps: int = 5) -> float:
 
 
 def _best_plan(times: dict[str, list[float]], rows: tuple[int, ...], margin: float = 0.05) -> Plan:
-    """Per row count the kind of least time, where the previous row count's kind is not within ``margin`` of it
+    """Per row count the kind of least time, unless a neighbouring row count's kind is within ``margin`` of it there
     (fewer switches: timing noise decides nothing, and one kernel across row counts keeps one summation order);
     consecutive row counts of one kind merged."""
+    kinds = [min(times, key=lambda k: times[k][i]) for i in range(len(rows))]
+    close = lambda k, i: times[k][i] <= times[kinds[i]][i] * (1 + margin)  # noqa: E731
+    for i in reversed(range(len(rows) - 1)):  # a kind that also wins more rows takes fewer where it is close
+        if close(kinds[i + 1], i):
+            kinds[i] = kinds[i + 1]
+    for i in range(1, len(rows)):
+        if close(kinds[i - 1], i):
+            kinds[i] = kinds[i - 1]
     plan: list[tuple[int, str]] = []
-    for i, r in enumerate(rows):
-        kind = min(times, key=lambda k: times[k][i])
-        if plan and times[plan[-1][1]][i] <= times[kind][i] * (1 + margin):
-            kind = plan[-1][1]
+    for r, kind in zip(rows, kinds):
         if not plan or plan[-1][1] != kind:
             plan.append((1 if not plan else r, kind))
     return tuple(plan)

@@ -106,6 +106,9 @@ def test_the_plan_switches_kernel_only_for_a_clear_gain():
     times = {"mkl": [10.0, 19.0, 40.0, 80.0], "mkl_t": [9.0, 19.5, 30.0, 60.0], "float32": [30.0, 30.0, 31.0, 40.0]}
     # 1 row: mkl_t; 2 rows: mkl is faster, by less than 5%, so mkl_t stays; 4: mkl_t; 8: float32 (40 against 60)
     assert _best_plan(times, (1, 2, 4, 8)) == ((1, "mkl_t"), (8, "float32"))
+    # SmolLM2's steps on the Xeon (ms): mkl_t wins one row by 0.1 ms, mkl two; mkl takes both
+    smollm2 = {"mkl": [33.1, 33.2, 47.5, 59.5], "mkl_t": [33.0, 43.9, 49.4, 61.6], "float32": [40.3, 41.3, 42.4, 50.2]}
+    assert _best_plan(smollm2, (1, 2, 4, 8)) == ((1, "mkl"), (4, "float32"))
     assert _best_plan({"mkl": [1.0, 1.0]}, (1, 4)) == ((1, "mkl"),)
 
 
