@@ -84,7 +84,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V; ``d_in`` may differ from ``d`` (EAGLE-3 feeds 2d-wide inputs).
-    Packed for CPU inference (:func:`models.cpu_linear.pack_linears`), q/k/v are one product."""
+    Packed for CPU inference (:mod:`models.cpu_linear`), q/k/v are one product."""
 
     fused_linears = ("q_proj", "k_proj", "v_proj")
 
