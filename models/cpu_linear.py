@@ -303,12 +303,14 @@ def choose_kernels(model: nn.Module, kinds: Iterable[str] = KINDS, rows: tuple[i
 
 
 def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds: Iterable[str] = FP32_KINDS,
-                         rows: tuple[int, ...] = (1, 2, 4, 8), rounds: int = 2, reps: int = 2) -> dict:
+                         rows: tuple[int, ...] = (1, 2, 4, 8), rounds: int = 2, reps: int = 2,
+                         slow_s: float = 0.25) -> dict:
     """For a target: one kernel for all of ``model``'s plain fp32 CPU linear layers per row count of ``rows``, the
     one whose whole forward ``step(r)`` (r tokens) took least time here. Whole forwards, not layers timed apart:
     a layer's product costs what it costs between the others (its weights streamed from memory, the caches holding
     the others'), which timing it alone does not show. ``rounds`` passes over the kinds, each step timed ``reps``
-    times after one unrecorded call; the least median wins. Every layer becomes a :class:`PackedLinear` with the
+    times after one unrecorded call; the least median wins (a model whose one-token step takes over ``slow_s``
+    gets one round of one timing: a few dozen forwards of a large model would take minutes). Every layer becomes a :class:`PackedLinear` with the
     plan (``F.linear`` throughout leaves them as they are). Returns ``replaced``, ``kept``, ``plans`` ({"all":
     plan}) and ``step_ms`` (kind → ms per row count)."""
     layers = _plain_linears(model)
@@ -321,6 +323,10 @@ def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds:
         setattr(parent, name, p)
     best: dict[str, list[float]] = {}
     with torch.no_grad():
+        t0 = time.perf_counter()
+        step(1)
+        if time.perf_counter() - t0 > slow_s:
+            rounds, reps = 1, 1
         for _ in range(rounds):
             for k in kinds:
                 for p in swapped:

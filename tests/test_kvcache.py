@@ -131,3 +131,20 @@ def test_a_targets_chosen_kernels_agree_with_f_linear(fast):
 def test_a_bad_fast_linear_is_one_line():
     with pytest.raises(UserError, match="target.fast_linear='fast'"):
         FrozenTarget(model=tiny_model("llama", layers=1), fast_linear="fast")
+
+
+def test_a_slow_model_is_timed_once_per_kernel_and_row_count():
+    """``slow_s``: where one step takes longer, one round of one timing (after one unrecorded call) per kernel and
+    row count, so a large model's load does not spend minutes choosing."""
+    from models.cpu_linear import choose_model_kernels
+
+    model = tiny_model("llama", layers=1)
+    calls = []
+
+    def step(rows: int) -> None:
+        calls.append(rows)
+        model(input_ids=torch.zeros(1, rows, dtype=torch.long), use_cache=False)
+
+    out = choose_model_kernels(model, step, kinds=("mkl", "mkl_t"), rows=(1, 4), slow_s=0.0)
+    assert len(calls) == 1 + 2 * 2 * 2  # the probe, then per kind and row count one unrecorded call and one timed
+    assert set(out["step_ms"]) == {"mkl", "mkl_t"} and out["plans"]["all"][0][0] == 1
