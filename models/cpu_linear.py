@@ -11,10 +11,10 @@ row count on every CPU. Measured on two 2-core machines:
   MKL's time at 2–16 rows on the AMD, but has a fixed cost of about 20 µs a call on the Xeon, most of a small
   layer's one-row product; ``bfloat16`` packs a bf16 copy (half the bytes; a draft's decoding only, where the
   verifier keeps the output exact whatever the draft computes).
-So :func:`choose_kernels` times each candidate on every layer of a shape in turn (the weights stream from memory
-as in a forward pass) at 1, 2, 4 and 8 rows, and gives each layer a :class:`PackedLinear` with a plan: which kernel
-serves which row counts. The target gets fp32 kernels only, and plain decoding the same layers as verification, so
-the speed-up stays an honest ratio (``python -m eval.bench_decode`` measures a whole target; ``target.fast_linear=
+So each layer becomes a :class:`PackedLinear` with a plan, which kernel serves which row counts, chosen by timing at
+1, 2, 4 and 8 rows: for a target by :func:`choose_model_kernels` (whole forwards, fp32 kernels only; plain decoding
+uses the same layers as verification, so the speed-up stays an honest ratio), for a draft by :func:`choose_kernels`
+(each layer shape's layers in turn, bf16 packing and fused q/k/v and gate/up products included) (``python -m eval.bench_decode`` measures a whole target; ``target.fast_linear=
 false``: ``F.linear`` throughout, ``packed``: oneDNN fp32 throughout).
 
 The kernels differ in their last bits (another summation order), and a layer whose plan changes kernel between one
