@@ -91,7 +91,11 @@ class PackedLinear(nn.Linear):
     def __init__(self, lin: nn.Linear, dtype: torch.dtype = torch.float32, from_rows: int = 1, plan: Plan | None = None):
         super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
         self.weight, self.bias = lin.weight, lin.bias  # the same Parameters (tied weights stay tied)
-        self.__dict__["plan"] = tuple(plan) if plan else _plan_of(dtype, from_rows, "mkl")
+        self.set_plan(tuple(plan) if plan else _plan_of(dtype, from_rows, "mkl"))
+
+    def set_plan(self, plan: Plan) -> None:
+        """Serve each row count by ``plan``'s kernel (its copies of the weight made now, the others dropped)."""
+        self.__dict__["plan"] = tuple(plan)
         self._pack()
 
     @property
@@ -102,7 +106,7 @@ class PackedLinear(nn.Linear):
         self.__dict__["_version"] = self._versions()
         w = self.weight.detach()
         self.__dict__["_w"] = {k: _derive(w, k) for k in self.kinds if k != "mkl"}
-        self.__dict__["_b"] = {k: _bias_for(self.bias, k) for k in self.kinds}
+        self.__dict__["_b"] = {k: _bias_for(self.bias, k) for k in self.kinds if k != "mkl"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.numel() == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu"
@@ -330,8 +334,7 @@ def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds:
         for _ in range(rounds):
             for k in kinds:
                 for p in swapped:
-                    p.__dict__["plan"] = ((1, k),)
-                    p._pack()
+                    p.set_plan(((1, k),))
                 ms = []
                 for r in rows:
                     step(r)
@@ -349,8 +352,7 @@ def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds:
             setattr(parent, name, lin)
         return out
     for p in swapped:
-        p.__dict__["plan"] = plan
-        p._pack()
+        p.set_plan(plan)
     out["replaced"], out["kept"] = len(layers), 0
     return out
 
