@@ -3,6 +3,7 @@
     python -m data.regenerate                                     # embedded target, ShareGPT train split
     python -m data.regenerate data.max_conversations=500 temperature=0 max_new_tokens=256 out_dir=runs/regen
     python -m data.regenerate data.max_conversations=500 first_conversation=1500   # the next 500 prompts
+    python -m data.regenerate target=smollm2 target.dtype=float32 batch_size=256  # device=auto: a GPU when one is visible
 
 Drafters learn best from the target's own outputs (DFlash, EAGLE-3). Turn by turn, every user turn is
 kept and each assistant turn is replaced by the target's answer to the conversation so far (which
@@ -93,16 +94,18 @@ def regenerate_conversations(model, tokenizer, convs: list[dict], max_new_tokens
 def main(cfg: DictConfig) -> None:
     from transformers import AutoModelForCausalLM
 
-    from models.target import load_tokenizer, resolve_dtype, resolve_path
+    from models.target import load_tokenizer, resolve_device, resolve_dtype, resolve_path
 
     if cfg.temperature < 0:
         raise UserError(f"temperature={cfg.temperature}: must be >= 0")
     if cfg.first_conversation < 0:
         raise UserError(f"first_conversation={cfg.first_conversation}: must be >= 0 (an index into the {cfg.split} split)")
+    device = resolve_device(cfg.device)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(cfg.target.name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.target.name_or_path), dtype=resolve_dtype(cfg.target.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.target.name_or_path),
+                                                 dtype=resolve_dtype(cfg.target.dtype)).eval().to(device)
     torch.manual_seed(cfg.seed)
     ds = load_conversations(cfg.data.source, cfg.split, cfg.data.heldout_fraction)
     first = cfg.first_conversation

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from data.errors import UserError, cli, instantiate, run_main, write_json
 from eval.kvcache import new_cache
+from models.target import resolve_device
 
 
 def sync(device: str) -> None:
@@ -97,9 +98,7 @@ def read_acceptance(path: str, drafter: str, set_name: str | None, temperature: 
 @hydra.main(config_path="../conf", config_name="planner", version_base="1.3")
 @cli
 def main(cfg: DictConfig) -> None:
-    device = cfg.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("device=cuda but no GPU is visible; use device=cpu")
+    device = str(resolve_device(cfg.device))
     # the acceptance file is checked before minutes of benchmark
     acc, row = (read_acceptance(cfg.acceptance, cfg.drafter, cfg.get("set"), cfg.temperature) if cfg.acceptance else (None, {}))
     target = instantiate(cfg.target)

@@ -2,8 +2,8 @@
 
 For each prompt set, temperature and prompt, plain decoding runs first and then each drafter, so that
 wall-clock ratios (speed-up) come from interleaved runs on the same prompts. Multi-turn sets feed the
-target's own answer of turn i into turn i+1. Results: τ, per-position conditional acceptance, the
-histogram of accepted lengths, tokens/s, speed-up over plain decoding, the time split (draft, verify,
+target's own answer of turn i (plain decoding's, the same for every drafter) into turn i+1. Results: τ,
+per-position conditional acceptance, the histogram of accepted lengths, tokens/s, speed-up over plain decoding, the time split (draft, verify,
 prefill, the decoder's own work), and at T=0 whether the output is identical to plain decoding: each
 divergence is classified by :mod:`eval.lossless` as a numerical tie (a near-tied argmax flipped by
 reduced-precision arithmetic) or a defect; defects fail the run.
@@ -233,17 +233,20 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
             aggs = {name: Agg() for name in ["plain", *drafters]}
             ks = {name: (autok(trees[name]) if w == "auto" else w) for name, w in wanted.items()}  # AutoK learns per drafter and temperature
             for ci, conv in enumerate(convs):
-                histories = {name: ([{"role": "system", "content": conv["system"]}] if conv.get("system") else [])
-                             for name in aggs}
+                # every drafter answers turn i+1 after plain decoding's answers to turns 0..i: the same prompt for all,
+                # so a greedy divergence in turn i+1 is compared on the context it came from (in bf16 a numerical tie
+                # in turn i would otherwise give a drafter another prompt than plain decoding's in turn i+1)
+                history = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
                 for ti, turn in enumerate(conv["turns"]):
                     plain_out, plain_top = None, []
+                    msgs = history + [{"role": "user", "content": turn}]
+                    prompt = encode_prompt(tokenizer, msgs)
+                    if prompt_policy is not None:
+                        prompt = prompt_policy(prompt, (pset.name, ci, ti))
                     for name in aggs:
                         drafter = NoDrafter() if name == "plain" else drafters[name]
                         target.set_tap_layers(getattr(drafter, "tap_layers", default_taps))
-                        msgs = histories[name] + [{"role": "user", "content": turn}]
-                        ids = encode_prompt(tokenizer, msgs)
-                        if prompt_policy is not None:
-                            ids = prompt_policy(ids, (pset.name, ci, ti))
+                        ids = prompt
                         g = torch.Generator().manual_seed(hash((seed, ci, ti)) % (2**31))
                         out, st = dec.generate(ids, drafter, k=0 if name == "plain" else ks[name], max_new_tokens=max_new_tokens,
                                                sampler=Sampler(temp, top_p, generator=g), record_top=4 if name == "plain" else 0,
@@ -258,8 +261,8 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                             aggs[name].defects += v.kind == "defect"
                             if v.kind != "identical":
                                 aggs[name].divergences.append({"prompt": ci, "turn": ti, **v.as_dict()})
-                        answer = tokenizer.decode(out, skip_special_tokens=True).strip()
-                        histories[name] = msgs + [{"role": "assistant", "content": answer}]
+                    answer = tokenizer.decode(plain_out, skip_special_tokens=True).strip()
+                    history = msgs + [{"role": "assistant", "content": answer}]
                 if (ci + 1) % 10 == 0 or ci + 1 == len(convs):
                     log(f"  [{pset.name} T={temp:g}] {ci + 1}/{len(convs)} " + " ".join(
                         f"{n}:τ={a.verified / max(a.passes, 1):.2f}" for n, a in aggs.items() if n != "plain"))

@@ -32,9 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 KINDS = ("mkl", "mkl_t", "float32", "bfloat16")  # F.linear, MKL on Wᵀ, oneDNN packed fp32, oneDNN packed bf16
-FP32_KINDS = ("mkl", "mkl_t", "float32")          # what a target may use: fp32 products only
+FP32_KINDS = ("mkl", "mkl_t", "float32")          # what an fp32 target may use: fp32 products only
+BF16_KINDS = ("mkl", "mkl_t", "bfloat16")         # what a bf16 target may use: its own bf16 weights, packed or not
 _DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Plan = tuple[tuple[int, str], ...]                # ((first row count, kind), ...), ascending, starting at 1
+_KINDS_OF = {torch.float32: KINDS, torch.bfloat16: BF16_KINDS}  # a layer's dtype → the kinds that serve it
 
 
 def available() -> bool:
@@ -63,13 +65,13 @@ def _derive(w: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def _apply(x: torch.Tensor, kind: str, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """fp32 x [..., d_in] through a derived weight → fp32 [..., d_out]."""
+    """x [..., d_in] (fp32, or bf16 for a bf16 layer) through a derived weight → [..., d_out] in x's dtype."""
     if kind == "mkl_t":
         y = torch.matmul(x, w)
         return y if bias is None else y.add_(bias)
     if kind == "float32":
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, bias, "none", [], "").float()
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w, bias, "none", [], "").to(x.dtype)
 
 
 def _bias_for(bias: torch.Tensor | None, kind: str) -> torch.Tensor | None:
@@ -82,9 +84,10 @@ def _plan_of(dtype: torch.dtype, from_rows: int, below: str) -> Plan:
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` sharing ``weight``/``bias`` with the layer it replaces, whose fp32 CPU inputs without autograd
-    go through the kernel its ``plan`` gives their row count (``mkl``: ``F.linear``; ``mkl_t``: a transposed copy;
-    ``float32``/``bfloat16``: a oneDNN-packed copy, bf16 inputs cast and outputs cast back). Copies are made again
+    """An ``nn.Linear`` sharing ``weight``/``bias`` with the layer it replaces, whose CPU inputs of the weight's dtype
+    (fp32, or bf16 for a bf16 layer) without autograd go through the kernel its ``plan`` gives their row count
+    (``mkl``: ``F.linear``; ``mkl_t``: a transposed copy; ``float32``/``bfloat16``: a oneDNN-packed copy, fp32 inputs
+    of a bf16 copy cast and outputs cast back). Copies are made again
     after the weight changed in place. The short form ``PackedLinear(lin, dtype, from_rows)``: the packed weight of
     ``dtype`` from ``from_rows`` rows on, MKL below."""
 
@@ -109,7 +112,8 @@ class PackedLinear(nn.Linear):
         self.__dict__["_b"] = {k: _bias_for(self.bias, k) for k in self.kinds if k != "mkl"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.numel() == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu"
+        if (x.numel() == 0 or x.dtype != self.weight.dtype or x.dtype not in _KINDS_OF or x.device.type != "cpu"
+                or self.weight.device.type != "cpu"
                 or torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         kind = _kind_for(self.plan, x.numel() // self.in_features)
@@ -169,10 +173,10 @@ def fused(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None
     return f(x) if f is not None else None
 
 
-def _plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, name, layer) of every plain fp32 CPU ``nn.Linear`` in ``model``."""
+def _plain_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, layer) of every plain CPU ``nn.Linear`` of ``dtype`` in ``model``."""
     return [(parent, name, child) for parent in list(model.modules()) for name, child in list(parent.named_children())
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
+            if type(child) is nn.Linear and child.weight.dtype == dtype and child.weight.device.type == "cpu"]
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
@@ -202,13 +206,13 @@ def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
 def _checked_pack(lin: nn.Linear, dtype: torch.dtype, gen: torch.Generator, rows: int = 3) -> PackedLinear | None:
     """``lin`` packed in ``dtype``, or None where this build or CPU has no such kernel (packing bf16 raises without
     AVX-512) or its product disagrees with ``F.linear`` (fp32: 1e-4; bf16: within its rounding, 2e-2)."""
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    x = torch.randn(rows, lin.in_features, generator=gen)
+    tol = 1e-4 if dtype == lin.weight.dtype == torch.float32 else 2e-2
+    x = torch.randn(rows, lin.in_features, generator=gen).to(lin.weight.dtype)
     try:
         packed = PackedLinear(lin, dtype)
         with torch.no_grad():
             ref = F.linear(x, lin.weight, lin.bias)
-            ok = torch.allclose(packed(x), ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1)))
+            ok = torch.allclose(packed(x).float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1)))
     except RuntimeError:
         return None
     return packed if ok else None
@@ -309,7 +313,8 @@ def choose_kernels(model: nn.Module, kinds: Iterable[str] = KINDS, rows: tuple[i
 def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds: Iterable[str] = FP32_KINDS,
                          rows: tuple[int, ...] = (1, 2, 4, 8), rounds: int = 2, reps: int = 2,
                          slow_s: float = 0.25) -> dict:
-    """For a target: one kernel for all of ``model``'s plain fp32 CPU linear layers per row count of ``rows``, the
+    """For a target: one kernel for all of ``model``'s plain CPU linear layers (fp32, or bf16 for a bf16 model:
+    ``kinds`` is then cut to :data:`BF16_KINDS`) per row count of ``rows``, the
     one whose whole forward ``step(r)`` (r tokens) took least time here. Whole forwards, not layers timed apart:
     a layer's product costs what it costs between the others (its weights streamed from memory, the caches holding
     the others'), which timing it alone does not show. ``rounds`` passes over the kinds, each step timed ``reps``
@@ -317,11 +322,12 @@ def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds:
     gets one round of one timing: a few dozen forwards of a large model would take minutes). Every layer becomes a :class:`PackedLinear` with the
     plan (``F.linear`` throughout leaves them as they are). Returns ``replaced``, ``kept``, ``plans`` ({"all":
     plan}) and ``step_ms`` (kind → ms per row count)."""
-    layers = _plain_linears(model)
+    dtype = next(model.parameters()).dtype
+    layers = _plain_linears(model, dtype)
     out: dict = {"replaced": 0, "kept": len(layers), "plans": {}, "step_ms": {}}
-    if not layers:
+    if not layers or dtype not in _KINDS_OF:
         return out
-    kinds = _usable(kinds, layers[0][2], torch.Generator().manual_seed(0))
+    kinds = _usable([k for k in kinds if k in _KINDS_OF[dtype]], layers[0][2], torch.Generator().manual_seed(0))
     swapped = [PackedLinear(lin, plan=((1, "mkl"),)) for _, _, lin in layers]
     for (parent, name, _), p in zip(layers, swapped):
         setattr(parent, name, p)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from data.errors import UserError
-from models.cpu_linear import choose_model_kernels, pack_linears
+from models.cpu_linear import BF16_KINDS, FP32_KINDS, choose_model_kernels, pack_linears
 from models.gguf import SMOLLM2, converted_dir
 
 EMBEDDED = "embedded"
@@ -68,6 +68,19 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise UserError(f"target.dtype={dtype!r}: use auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto``: the first GPU when one is visible, else the CPU; otherwise a torch device string."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"device={device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={device!r} but no GPU is visible; use device=cpu")
+    return dev
 
 
 def resolve_path(name_or_path: str) -> str:
@@ -126,12 +139,15 @@ class FrozenTarget(nn.Module):
             model = model.to(resolve_dtype(dtype))
         self.name_or_path = name_or_path or getattr(model.config, "_name_or_path", "module")
         self.model = model.eval().requires_grad_(False)
-        # fp32 on a CPU: each linear layer's product by the kernel timed fastest here per row count (models.cpu_linear);
+        # on a CPU: each linear layer's product by the kernel timed fastest here per row count (models.cpu_linear);
         # "packed": oneDNN's packed fp32 weight for every row count; false: F.linear
         if fast_linear not in (True, False, "packed"):
             raise UserError(f"target.fast_linear={fast_linear!r}: true (kernels timed here), packed or false")
         self.fast_linear = fast_linear
-        self.linear_kernels = choose_model_kernels(self.model, self._timing_step) if fast_linear is True else {}
+        # a bf16 model chooses among kernels of its own bf16 weights (on CPUs with AMX oneDNN's bf16 products stay
+        # nearly flat from 1 to 16 rows); an fp32 model among fp32 products only, so its numerics stay fp32
+        kinds = BF16_KINDS if next(self.model.parameters()).dtype == torch.bfloat16 else FP32_KINDS
+        self.linear_kernels = choose_model_kernels(self.model, self._timing_step, kinds) if fast_linear is True else {}
         self.packed_linears = (self.linear_kernels.get("replaced", 0) if fast_linear is True
                                else pack_linears(self.model) if fast_linear == "packed" else 0)
         self.num_layers: int = self.model.config.num_hidden_layers

@@ -18,6 +18,7 @@ def run(*args, cwd=ROOT):
     (["data.prepare", "data.truncation=middle"], "truncation"),
     (["data.regenerate", "temperature=-1"], "temperature"),
     (["data.regenerate", "first_conversation=-1"], "first_conversation"),
+    (["data.regenerate", "device=gpu0"], "device='gpu0'"),
     (["eval.agreement", "scales=[1.0,0]"], "scales"),
     (["eval.agreement", "scales=[a]"], "scales"),
     (["train.embedded_target", "ckpt_path=/nonexistent.ckpt", "experiment_target=micro", "run_dir=/tmp/ds-cli-test"], "ckpt_path"),

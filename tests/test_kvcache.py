@@ -128,6 +128,32 @@ def test_a_targets_chosen_kernels_agree_with_f_linear(fast):
                                    plain(ids[:, :n], return_logits=True).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_a_bf16_targets_kernels_are_its_own_bf16_products():
+    """A bf16 target (``dtype: bfloat16``) chooses among products of its own bf16 weights (F.linear, the transposed
+    copy, oneDNN's packed bf16 weight; never an fp32 copy): outputs stay bf16 and within bf16 rounding of F.linear
+    at every row count, and a bf16 layer's plan serves each row count (bf16 in, bf16 out)."""
+    from models.cpu_linear import available
+
+    model = tiny_model("llama", layers=2).to(torch.bfloat16)
+    plain = FrozenTarget(model=model, tap_layers=[1], dtype="bfloat16", fast_linear=False)
+    fast_t = FrozenTarget(model=copy.deepcopy(model), tap_layers=[1], dtype="bfloat16", fast_linear=True)
+    assert set(fast_t.linear_kernels["step_ms"]) <= {"mkl", "mkl_t", "bfloat16"}
+    assert all(k != "float32" for _, k in fast_t.linear_kernels["plans"]["all"])
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    for n in (1, 2, 3, 4, 9):
+        out = fast_t(ids[:, :n], return_logits=True).logits
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), plain(ids[:, :n], return_logits=True).logits.float(), rtol=0.05, atol=0.05)
+    lin = torch.nn.Linear(24, 40).to(torch.bfloat16)
+    layer = PackedLinear(lin, plan=((1, "mkl_t"), (2, "mkl")) + (((4, "bfloat16"),) if available() else ()))
+    with torch.no_grad():
+        for rows in (1, 2, 4, 9):
+            x = torch.randn(1, rows, 24).to(torch.bfloat16)
+            y = layer(x)
+            assert y.dtype == torch.bfloat16
+            torch.testing.assert_close(y.float(), lin(x).float(), rtol=0.02, atol=0.02)
+
+
 def test_a_bad_fast_linear_is_one_line():
     with pytest.raises(UserError, match="target.fast_linear='fast'"):
         FrozenTarget(model=tiny_model("llama", layers=1), fast_linear="fast")
