@@ -3,8 +3,8 @@
 For each prompt set, temperature and prompt, plain decoding runs first and then each drafter, so that
 wall-clock ratios (speed-up) come from interleaved runs on the same prompts. Multi-turn sets feed the
 target's own answer of turn i (plain decoding's, the same for every drafter) into turn i+1. Results: τ,
-per-position conditional acceptance, the histogram of accepted lengths, tokens/s, speed-up over plain decoding, the time split (draft, verify,
-prefill, the decoder's own work), and at T=0 whether the output is identical to plain decoding: each
+per-position conditional acceptance, the histogram of accepted lengths, tokens/s, speed-up over plain
+decoding, the time split (draft, verify, prefill, the decoder's own work), and at T=0 whether the output is identical to plain decoding: each
 divergence is classified by :mod:`eval.lossless` as a numerical tie (a near-tied argmax flipped by
 reduced-precision arithmetic) or a defect; defects fail the run.
 """

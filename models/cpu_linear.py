@@ -87,8 +87,7 @@ class PackedLinear(nn.Linear):
     """An ``nn.Linear`` sharing ``weight``/``bias`` with the layer it replaces, whose CPU inputs of the weight's dtype
     (fp32, or bf16 for a bf16 layer) without autograd go through the kernel its ``plan`` gives their row count
     (``mkl``: ``F.linear``; ``mkl_t``: a transposed copy; ``float32``/``bfloat16``: a oneDNN-packed copy, fp32 inputs
-    of a bf16 copy cast and outputs cast back). Copies are made again
-    after the weight changed in place. The short form ``PackedLinear(lin, dtype, from_rows)``: the packed weight of
+    of a bf16 copy cast and outputs cast back). Copies are made again after the weight changed in place. The short form ``PackedLinear(lin, dtype, from_rows)``: the packed weight of
     ``dtype`` from ``from_rows`` rows on, MKL below."""
 
     def __init__(self, lin: nn.Linear, dtype: torch.dtype = torch.float32, from_rows: int = 1, plan: Plan | None = None):
@@ -314,14 +313,14 @@ def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds:
                          rows: tuple[int, ...] = (1, 2, 4, 8), rounds: int = 2, reps: int = 2,
                          slow_s: float = 0.25) -> dict:
     """For a target: one kernel for all of ``model``'s plain CPU linear layers (fp32, or bf16 for a bf16 model:
-    ``kinds`` is then cut to :data:`BF16_KINDS`) per row count of ``rows``, the
-    one whose whole forward ``step(r)`` (r tokens) took least time here. Whole forwards, not layers timed apart:
-    a layer's product costs what it costs between the others (its weights streamed from memory, the caches holding
-    the others'), which timing it alone does not show. ``rounds`` passes over the kinds, each step timed ``reps``
-    times after one unrecorded call; the least median wins (a model whose one-token step takes over ``slow_s``
-    gets one round of one timing: a few dozen forwards of a large model would take minutes). Every layer becomes a :class:`PackedLinear` with the
-    plan (``F.linear`` throughout leaves them as they are). Returns ``replaced``, ``kept``, ``plans`` ({"all":
-    plan}) and ``step_ms`` (kind → ms per row count)."""
+    ``kinds`` is then cut to :data:`BF16_KINDS`) per row count of ``rows``, the one whose whole forward ``step(r)``
+    (r tokens) took least time here. Whole forwards, not layers timed apart: a layer's product costs what it costs
+    between the others (its weights streamed from memory, the caches holding the others'), which timing it alone
+    does not show. ``rounds`` passes over the kinds, each step timed ``reps`` times after one unrecorded call; the
+    least median wins (a model whose one-token step takes over ``slow_s`` gets one round of one timing: a few dozen
+    forwards of a large model would take minutes). Every layer becomes a :class:`PackedLinear` with the plan
+    (``F.linear`` throughout leaves them as they are). Returns ``replaced``, ``kept``, ``plans`` ({"all": plan})
+    and ``step_ms`` (kind → ms per row count)."""
     dtype = next(model.parameters()).dtype
     layers = _plain_linears(model, dtype)
     out: dict = {"replaced": 0, "kept": len(layers), "plans": {}, "step_ms": {}}
