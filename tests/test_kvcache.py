@@ -132,7 +132,7 @@ def test_a_bf16_targets_kernels_are_its_own_bf16_products():
     """A bf16 target (``dtype: bfloat16``) chooses among products of its own bf16 weights (F.linear, the transposed
     copy, oneDNN's packed bf16 weight; never an fp32 copy): outputs stay bf16 and within bf16 rounding of F.linear
     at every row count, and a bf16 layer's plan serves each row count (bf16 in, bf16 out)."""
-    from models.cpu_linear import available
+    from models.cpu_linear import _checked_pack
 
     model = tiny_model("llama", layers=2).to(torch.bfloat16)
     plain = FrozenTarget(model=model, tap_layers=[1], dtype="bfloat16", fast_linear=False)
@@ -145,7 +145,8 @@ def test_a_bf16_targets_kernels_are_its_own_bf16_products():
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), plain(ids[:, :n], return_logits=True).logits.float(), rtol=0.05, atol=0.05)
     lin = torch.nn.Linear(24, 40).to(torch.bfloat16)
-    layer = PackedLinear(lin, plan=((1, "mkl_t"), (2, "mkl")) + (((4, "bfloat16"),) if available() else ()))
+    packs = _checked_pack(lin, torch.bfloat16, torch.Generator().manual_seed(0)) is not None  # not without AVX-512
+    layer = PackedLinear(lin, plan=((1, "mkl_t"), (2, "mkl")) + (((4, "bfloat16"),) if packs else ()))
     with torch.no_grad():
         for rows in (1, 2, 4, 9):
             x = torch.randn(1, rows, 24).to(torch.bfloat16)
