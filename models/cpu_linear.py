@@ -12,7 +12,7 @@ row count on every CPU. Measured on two 2-core machines:
   layer's one-row product; ``bfloat16`` packs a bf16 copy (half the bytes; a draft's decoding only, where the
   verifier keeps the output exact whatever the draft computes).
 So each layer becomes a :class:`PackedLinear` with a plan, which kernel serves which row counts, chosen by timing at
-1, 2, 4 and 8 rows: for a target by :func:`choose_model_kernels` (whole forwards, fp32 kernels only; plain decoding
+1, 2, 4 and 8 rows: for a target by :func:`choose_model_kernels` (whole forwards, kernels in its own precision; plain decoding
 uses the same layers as verification, so the speed-up stays an honest ratio), for a draft by :func:`choose_kernels`
 (each layer shape's layers in turn, bf16 packing and fused q/k/v and gate/up products included) (``python -m eval.bench_decode`` measures a whole target; ``target.fast_linear=
 false``: ``F.linear`` throughout, ``packed``: oneDNN fp32 throughout).
@@ -37,6 +37,7 @@ BF16_KINDS = ("mkl", "mkl_t", "bfloat16")         # what a bf16 target may use: 
 _DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Plan = tuple[tuple[int, str], ...]                # ((first row count, kind), ...), ascending, starting at 1
 _KINDS_OF = {torch.float32: KINDS, torch.bfloat16: BF16_KINDS}  # a layer's dtype → the kinds that serve it
+_TARGET_KINDS = {torch.float32: FP32_KINDS, torch.bfloat16: BF16_KINDS}  # a target's dtype → its own precision's
 
 
 def available() -> bool:
@@ -309,12 +310,12 @@ def choose_kernels(model: nn.Module, kinds: Iterable[str] = KINDS, rows: tuple[i
     return counts
 
 
-def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds: Iterable[str] = FP32_KINDS,
+def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds: Iterable[str] | None = None,
                          rows: tuple[int, ...] = (1, 2, 4, 8), rounds: int = 2, reps: int = 2,
                          slow_s: float = 0.25) -> dict:
-    """For a target: one kernel for all of ``model``'s plain CPU linear layers (fp32, or bf16 for a bf16 model:
-    ``kinds`` is then cut to :data:`BF16_KINDS`) per row count of ``rows``, the one whose whole forward ``step(r)``
-    (r tokens) took least time here. Whole forwards, not layers timed apart: a layer's product costs what it costs
+    """For a target: one kernel for all of ``model``'s plain CPU linear layers (fp32, or bf16 for a bf16 model) per
+    row count of ``rows``, among ``kinds`` (default: products in the model's own precision, :data:`FP32_KINDS` or
+    :data:`BF16_KINDS`), the one whose whole forward ``step(r)`` (r tokens) took least time here. Whole forwards, not layers timed apart: a layer's product costs what it costs
     between the others (its weights streamed from memory, the caches holding the others'), which timing it alone
     does not show. ``rounds`` passes over the kinds, each step timed ``reps`` times after one unrecorded call; the
     least median wins (a model whose one-token step takes over ``slow_s`` gets one round of one timing: a few dozen
@@ -326,7 +327,8 @@ def choose_model_kernels(model: nn.Module, step: Callable[[int], object], kinds:
     out: dict = {"replaced": 0, "kept": len(layers), "plans": {}, "step_ms": {}}
     if not layers or dtype not in _KINDS_OF:
         return out
-    kinds = _usable([k for k in kinds if k in _KINDS_OF[dtype]], layers[0][2], torch.Generator().manual_seed(0))
+    kinds = [k for k in (kinds or _TARGET_KINDS[dtype]) if k in _KINDS_OF[dtype]]
+    kinds = _usable(kinds, layers[0][2], torch.Generator().manual_seed(0))
     swapped = [PackedLinear(lin, plan=((1, "mkl"),)) for _, _, lin in layers]
     for (parent, name, _), p in zip(layers, swapped):
         setattr(parent, name, p)

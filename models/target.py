@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from data.errors import UserError
-from models.cpu_linear import BF16_KINDS, FP32_KINDS, choose_model_kernels, pack_linears
+from models.cpu_linear import choose_model_kernels, pack_linears
 from models.gguf import SMOLLM2, converted_dir
 
 EMBEDDED = "embedded"
@@ -144,10 +144,9 @@ class FrozenTarget(nn.Module):
         if fast_linear not in (True, False, "packed"):
             raise UserError(f"target.fast_linear={fast_linear!r}: true (kernels timed here), packed or false")
         self.fast_linear = fast_linear
-        # a bf16 model chooses among kernels of its own bf16 weights (on CPUs with AMX oneDNN's bf16 products stay
-        # nearly flat from 1 to 16 rows); an fp32 model among fp32 products only, so its numerics stay fp32
-        kinds = BF16_KINDS if next(self.model.parameters()).dtype == torch.bfloat16 else FP32_KINDS
-        self.linear_kernels = choose_model_kernels(self.model, self._timing_step, kinds) if fast_linear is True else {}
+        # among products in the model's own precision: fp32 for an fp32 model, its bf16 weights for a bf16 one (on
+        # CPUs with AMX oneDNN's packed bf16 products stay nearly flat from 1 to 16 rows)
+        self.linear_kernels = choose_model_kernels(self.model, self._timing_step) if fast_linear is True else {}
         self.packed_linears = (self.linear_kernels.get("replaced", 0) if fast_linear is True
                                else pack_linears(self.model) if fast_linear == "packed" else 0)
         self.num_layers: int = self.model.config.num_hidden_layers
