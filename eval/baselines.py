@@ -12,6 +12,16 @@ from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.target import TargetOutput
 
 
+def latest_match(history: list[int], n: int) -> int | None:
+    """Prompt lookup: where the continuation of the latest earlier occurrence of ``history``'s last n tokens begins
+    (the occurrence at the very end excluded), or None."""
+    suffix = history[-n:]
+    for start in range(len(history) - n - 1, -1, -1):
+        if history[start: start + n] == suffix:
+            return start + n
+    return None
+
+
 class NGramDrafter:
     """Prompt lookup decoding (Saxena 2023; vLLM's ``ngram``): find the latest earlier occurrence of the
     longest suffix of the text (``max_ngram`` down to ``min_ngram`` tokens) and propose what followed it."""
@@ -29,12 +39,9 @@ class NGramDrafter:
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         h = self.history + [pending]
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
-            suffix = h[-n:]
-            for start in range(len(h) - n - 1, -1, -1):  # latest match first
-                if h[start: start + n] == suffix:
-                    cont = h[start + n: start + n + k]
-                    if cont:
-                        return Proposal(tokens=torch.tensor(cont, dtype=torch.long))
+            at = latest_match(h, n)
+            if at is not None:
+                return Proposal(tokens=torch.tensor(h[at: at + k], dtype=torch.long))
         return Proposal(tokens=torch.empty(0, dtype=torch.long))
 
 
@@ -82,7 +89,8 @@ class ModelDrafter:
 
 
 class LookupUnion:
-    """A trained head and prompt lookup (:class:`NGramDrafter`) as one drafter (greedy decoding only; sampling
+    """A trained head and prompt lookup (:class:`NGramDrafter`, or retrieval: :class:`eval.datastore.DatastoreDrafter`)
+    as one drafter (greedy decoding only; sampling
     proposes the head's draft alone: the decoder's recursive rejection over siblings needs the siblings drawn from
     one q, and the lookup's is a point mass).
 
@@ -94,12 +102,13 @@ class LookupUnion:
       of the two paths (any tree keeps greedy output the target's).
     - n >= 0: as None, but once the lookup's last n branches were each accepted whole (the text is repeating), its
       continuation drafts alone and the head sits the round out, until a branch falls short. n = 0 (the default):
-      the lookup alone wherever it finds a match, the head wherever it finds none. The head catches up on the
+      the lookup alone wherever it finds a match, the head wherever it finds none. A lookup whose ``alone`` is
+      False after a proposal (a datastore's match outside the current text) is always merged, never drafts alone. The head catches up on the
       rounds it sat out at its next draft (the drafting contract's commit after commit); those rounds do not enter
       ``k=auto``'s estimates (``Proposal.usual``).
     ``min_ngram`` (of the lookup) 2 leaves out one-token matches, which are seldom right and cost verify rows."""
 
-    def __init__(self, head: Any, lookup: NGramDrafter, lookup_k: int = 8, skip_after: int | None = 0):
+    def __init__(self, head: Any, lookup: Any, lookup_k: int = 8, skip_after: int | None = 0):
         if not isinstance(lookup_k, int) or lookup_k < 1:
             raise UserError(f"lookup_k={lookup_k}: the most tokens the lookup branch adds, an integer >= 1")
         if skip_after is not None and (not isinstance(skip_after, int) or skip_after < 0):
@@ -140,7 +149,8 @@ class LookupUnion:
         match). Returns it as the round's whole proposal when the head sits the round out (a one-branch tree, so
         that no k cuts it), else None: the head drafts and :meth:`_with_lookup` merges ``_chain`` into its draft."""
         self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist() if sampler.greedy else []
-        if self.skip_after is None or not self._chain or self._streak < self.skip_after:
+        if (self.skip_after is None or not self._chain or self._streak < self.skip_after
+                or not getattr(self.lookup, "alone", True)):  # a retrieval match outside the current text: merged
             return None
         return Proposal(torch.tensor(self._chain), None, torch.arange(-1, len(self._chain) - 1), usual=False)
 

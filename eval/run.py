@@ -150,15 +150,19 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
 
 
 def load_head_with_lookup(path: str, target: Any, lookup_k: int = 8, max_ngram: int = 3, min_ngram: int = 2,
-                          skip_after: int | None = 0, linear_dtype: str = "auto", decode: dict | None = None) -> Any:
+                          skip_after: int | None = 0, linear_dtype: str = "auto", decode: dict | None = None,
+                          datastore: str | None = None) -> Any:
     """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.baselines.LookupUnion`; greedy only,
     sampling drafts the head alone). By default the lookup's continuation drafts alone wherever it finds a match and
     the head elsewhere (``skip_after=0``); ``skip_after: null`` adds the lookup as one more branch of every head's
-    proposal instead (measured slower: eval/RESULTS.md, "A head with prompt lookup")."""
+    proposal instead (measured slower: eval/RESULTS.md, "A head with prompt lookup"). ``datastore``: a datastore of
+    the target's answers (:mod:`eval.datastore`) is looked up after the current text."""
     from eval.baselines import LookupUnion, NGramDrafter
+    from eval.datastore import DatastoreDrafter
 
-    return LookupUnion(load_head(path, target, linear_dtype, decode), NGramDrafter(max_ngram, min_ngram), lookup_k,
-                       skip_after)
+    lookup = (DatastoreDrafter(datastore, target, max_ngram, min_ngram) if datastore
+              else NGramDrafter(max_ngram, min_ngram))
+    return LookupUnion(load_head(path, target, linear_dtype, decode), lookup, lookup_k, skip_after)
 
 
 def load_model_drafter(path: str, target: Any = None, dtype: str = "float32") -> Any:
