@@ -134,6 +134,21 @@ def write_json(path: str | Path, obj, echo: bool = False) -> None:
         print(f"wrote {path}")
 
 
+def read_json(path: str | Path, fmt: str | None = None) -> Any:
+    """JSON from ``path``; malformed JSON, or (given ``fmt``) a ``format`` field other than ``fmt``, is one UserError
+    naming the file (the reader of every self-describing folder: drafts, datastores, serving formats)."""
+    import json
+
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p}: malformed JSON ({e.msg})") from None
+    if fmt is not None and (not isinstance(obj, dict) or obj.get("format") != fmt):
+        raise UserError(f"{p}: format {obj.get('format') if isinstance(obj, dict) else None!r} is not {fmt!r}")
+    return obj
+
+
 def sha256(path: str | Path) -> str:
     """SHA-256 of a file, read in 4 MiB blocks (feature shards, GGUF files)."""
     import hashlib

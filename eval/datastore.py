@@ -39,7 +39,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_dir, cli, run_main
+from data.errors import UserError, atomic_dir, cli, read_json, run_main
 from eval.baselines import latest_match
 from models.heads.drafting import Proposal, Sampler
 from models.heads.trees import TreeSpec
@@ -206,16 +206,19 @@ def source_files(source: str) -> list[str]:
     return [source]
 
 
-def build_tokens(tokenizer: Any, sources: list[str], max_conversations: int | None = None) -> tuple[torch.Tensor, dict]:
-    """The assistant turns of ``sources`` as one int32 array, −1 after each answer, and counts."""
+def build_tokens(tokenizer: Any, sources: list[str], max_conversations: int | None = None,
+                 heldout_fraction: float = 0.02) -> tuple[torch.Tensor, dict]:
+    """The assistant turns of the training split of ``sources`` as one int32 array, −1 after each answer, and counts.
+    The held-out split (``heldout_fraction`` by id hash, as everywhere: ``data.conversations``) is left out, so
+    ShareGPT's held-out evaluation prompts never find their own answers here."""
     from data.chat import tokenize_conversation
-    from data.conversations import read_conversations
+    from data.conversations import load_conversations
 
     out: list[int] = []
     n_conv = n_ans = 0
     for source in sources:
         for f in source_files(source):
-            convs, _ = read_conversations(f)
+            convs = load_conversations(f, "train", heldout_fraction, verbose=False)
             for c in convs:
                 if max_conversations is not None and n_conv >= max_conversations:
                     break
@@ -256,13 +259,7 @@ def read_datastore(path: str | Path) -> tuple[torch.Tensor, dict]:
     if not meta.exists() or not (p / "tokens.safetensors").exists():
         raise UserError(f"{path}: not a datastore (no datastore.json / tokens.safetensors); build one with "
                         "`python -m eval.datastore sources=[...] out=...`")
-    try:
-        info = json.loads(meta.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{meta}: malformed JSON ({e.msg})") from None
-    if info.get("format") != FORMAT:
-        raise UserError(f"{meta}: format {info.get('format')!r} is not {FORMAT!r}")
-    return load_file(str(p / "tokens.safetensors"))["tokens"].long(), info
+    return load_file(str(p / "tokens.safetensors"))["tokens"].long(), read_json(meta, FORMAT)
 
 
 @hydra.main(config_path="../conf", config_name="datastore", version_base="1.3")
@@ -280,9 +277,11 @@ def main(cfg: DictConfig) -> None:
     if not cfg.out:
         raise UserError("out=: the directory to write the datastore to")
     tok = load_tokenizer(cfg.target.name_or_path)
-    tokens, counts = build_tokens(tok, sources, cfg.max_conversations)
+    tokens, counts = build_tokens(tok, sources, cfg.max_conversations, cfg.heldout_fraction)
     info = {"target": {"name_or_path": str(cfg.target.name_or_path), "tokenizer_size": len(tok)},
-            "sources": sources, **counts}
+            "sources": sources, "heldout_fraction": cfg.heldout_fraction, **counts}
+    if cfg.get("note"):
+        info["note"] = str(cfg.note)
     write_datastore(cfg.out, tokens, info)
     print(f"datastore: {counts['answers']} answers, {counts['answer_tokens']} tokens from {counts['conversations']} "
           f"conversations -> {cfg.out}")

@@ -100,11 +100,12 @@ def test_builder_reads_answers_and_bad_input_is_one_line(tiny_target_dir, tiny_c
     from transformers import AutoTokenizer
 
     from data.chat import tokenize_conversation
-    from data.conversations import read_conversations
+    from data.conversations import load_conversations
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    tokens, counts = build_tokens(tok, [str(tiny_chats)])
-    convs, _ = read_conversations(str(tiny_chats))
+    tokens, counts = build_tokens(tok, [str(tiny_chats)], heldout_fraction=0.2)
+    convs = load_conversations(str(tiny_chats), "train", 0.2, verbose=False)  # the held-out split is left out
+    assert 0 < len(convs) < len(load_conversations(str(tiny_chats), "all", 0.2, verbose=False))
     enc = tokenize_conversation(tok, convs[0]["messages"])
     first = [t for t, m in zip(enc["input_ids"], enc["loss_mask"]) if m]
     n_first = sum(1 for a, b in zip([0] + enc["loss_mask"], enc["loss_mask"]) if b and not a)
@@ -151,3 +152,12 @@ def test_a_datastore_match_joins_the_heads_draft_and_a_match_in_the_text_drafts_
     u.start(T(10, 11, 60, 61, 10), None)
     p = u.propose_tree(11, spec, Sampler())  # "10 11" earlier in the text: its continuation alone
     assert p.tokens.tolist() == [60, 61, 10] and not p.usual
+
+
+def test_the_shipped_datastore_reads_and_fits_smollm2():
+    from conftest import ROOT
+
+    tokens, info = read_datastore(ROOT / "assets" / "smollm2-datastore")
+    assert info["target"]["name_or_path"] == "smollm2" and info["answers"] == int((tokens == -1).sum())
+    assert int(tokens.max()) < info["target"]["tokenizer_size"] == 49152
+    assert info["answer_tokens"] == int((tokens >= 0).sum())

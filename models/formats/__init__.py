@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from data.errors import UserError, atomic_dir
+from data.errors import UserError, atomic_dir, read_json
 from models.formats import sglang, speculators, zlab
-from models.formats.common import DTYPES, head_dims, load_tensors, read_json
+from models.formats.common import DTYPES, head_dims, load_tensors
 from models.formats.layer_ids import LAYER_IDS, engine_layer_ids, our_layer_ids
 from models.heads.base import FORMAT, DraftHead, read_draft_config
 

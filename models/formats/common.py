@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,13 +83,6 @@ def block_body(k: str) -> str | None:
 
 
 # -- reading ----------------------------------------------------------------------------------------
-def read_json(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{p}: malformed JSON ({e.msg})") from None
-
-
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from data.errors import UserError, atomic_dir
+from data.errors import UserError, atomic_dir, read_json
 
 if TYPE_CHECKING:
     from models.heads.trees import TreeSpec
@@ -142,10 +142,4 @@ def read_draft_config(path: str | Path) -> dict:
     p = Path(path) / "config.json"
     if not p.exists():
         raise UserError(f"{path}: not an exported draft (no config.json); export one with `python -m train ...`")
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{p}: malformed JSON ({e.msg})") from None
-    if cfg.get("format") != FORMAT:
-        raise UserError(f"{p}: format {cfg.get('format')!r} is not {FORMAT!r}")
-    return cfg
+    return read_json(p, FORMAT)
