@@ -154,10 +154,11 @@ def test_a_datastore_match_joins_the_heads_draft_and_a_match_in_the_text_drafts_
     assert p.tokens.tolist() == [60, 61, 10] and not p.usual
 
 
-def test_the_shipped_datastore_reads_and_fits_smollm2():
+@pytest.mark.parametrize("name,vocab", [("smollm2", 49152), ("embedded", 8192)])
+def test_the_shipped_datastores_read_and_fit_their_targets(name, vocab):
     from conftest import ROOT
 
-    tokens, info = read_datastore(ROOT / "assets" / "smollm2-datastore")
-    assert info["target"]["name_or_path"] == "smollm2" and info["answers"] == int((tokens == -1).sum())
-    assert int(tokens.max()) < info["target"]["tokenizer_size"] == 49152
+    tokens, info = read_datastore(ROOT / "assets" / f"{name}-datastore")
+    assert info["target"]["name_or_path"] == name and info["answers"] == int((tokens == -1).sum())
+    assert int(tokens.max()) < info["target"]["tokenizer_size"] == vocab
     assert info["answer_tokens"] == int((tokens >= 0).sum())
