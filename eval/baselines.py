@@ -90,9 +90,8 @@ class ModelDrafter:
 
 class LookupUnion:
     """A trained head and prompt lookup (:class:`NGramDrafter`, or retrieval: :class:`eval.datastore.DatastoreDrafter`)
-    as one drafter (greedy decoding only; sampling
-    proposes the head's draft alone: the decoder's recursive rejection over siblings needs the siblings drawn from
-    one q, and the lookup's is a point mass).
+    as one drafter (greedy decoding only; sampling proposes the head's draft alone: the decoder's recursive rejection
+    over siblings needs the siblings drawn from one q, and the lookup's is a point mass).
 
     Prompt lookup is often right for many tokens in a row where the text repeats (code, names and phrases of the
     prompt), where a head's acceptance decays with depth; elsewhere it matches little, and it costs nothing to draft.
@@ -102,10 +101,10 @@ class LookupUnion:
       of the two paths (any tree keeps greedy output the target's).
     - n >= 0: as None, but once the lookup's last n branches were each accepted whole (the text is repeating), its
       continuation drafts alone and the head sits the round out, until a branch falls short. n = 0 (the default):
-      the lookup alone wherever it finds a match, the head wherever it finds none. A lookup whose ``alone`` is
-      False after a proposal (a datastore's match outside the current text) is always merged, never drafts alone. The head catches up on the
+      the lookup alone wherever it finds a match, the head wherever it finds none. The head catches up on the
       rounds it sat out at its next draft (the drafting contract's commit after commit); those rounds do not enter
-      ``k=auto``'s estimates (``Proposal.usual``).
+      ``k=auto``'s estimates (``Proposal.usual``). A lookup whose ``alone`` is False after a proposal (a datastore's
+      match outside the current text) never drafts alone: its continuation is merged.
     ``min_ngram`` (of the lookup) 2 leaves out one-token matches, which are seldom right and cost verify rows."""
 
     def __init__(self, head: Any, lookup: Any, lookup_k: int = 8, skip_after: int | None = 0):

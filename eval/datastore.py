@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -271,9 +270,6 @@ def main(cfg: DictConfig) -> None:
     if not sources:
         raise UserError("sources=[]: give the conversations to draft from, e.g. sources=[runs/regen/greedy] "
                         "(data.regenerate's shards: the target's own answers)")
-    for s in sources:
-        if s != "sharegpt" and not os.path.exists(s):
-            raise UserError(f"sources: {s}: no such file or directory")
     if not cfg.out:
         raise UserError("out=: the directory to write the datastore to")
     tok = load_tokenizer(cfg.target.name_or_path)
