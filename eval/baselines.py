@@ -90,8 +90,7 @@ class ModelDrafter:
 
 class LookupUnion:
     """A trained head and prompt lookup (:class:`NGramDrafter`, or retrieval: :class:`eval.datastore.DatastoreDrafter`)
-    as one drafter (greedy decoding only; sampling proposes the head's draft alone: the decoder's recursive rejection
-    over siblings needs the siblings drawn from one q, and the lookup's is a point mass).
+    as one drafter.
 
     Prompt lookup is often right for many tokens in a row where the text repeats (code, names and phrases of the
     prompt), where a head's acceptance decays with depth; elsewhere it matches little, and it costs nothing to draft.
@@ -105,15 +104,25 @@ class LookupUnion:
       rounds it sat out at its next draft (the drafting contract's commit after commit); those rounds do not enter
       ``k=auto``'s estimates (``Proposal.usual``). A lookup whose ``alone`` is False after a proposal (a datastore's
       match outside the current text) never drafts alone: its continuation is merged.
-    ``min_ngram`` (of the lookup) 2 leaves out one-token matches, which are seldom right and cost verify rows."""
+    ``min_ngram`` (of the lookup) 2 leaves out one-token matches, which are seldom right and cost verify rows.
 
-    def __init__(self, head: Any, lookup: Any, lookup_k: int = 8, skip_after: int | None = 0):
+    Sampling (T > 0): the head draws its chain or tree from its q as always and the lookup never drafts alone (its
+    tokens are accepted only with the target's own probability of them, below a sampled head's acceptance). With
+    ``sampled_union`` the lookup's continuation, cut to the head's depth, joins the head's draft as point-mass nodes
+    (``Proposal.point``): the decoder tries each after its sampled siblings, as a candidate of its own (lossless:
+    recursive rejection with one draft distribution per candidate, SpecInfer). Off by default (the head drafts
+    alone): it raised τ on code where the text repeats but paid only there (eval/RESULTS.md, "Prompt lookup beside a
+    sampled draft")."""
+
+    def __init__(self, head: Any, lookup: Any, lookup_k: int = 8, skip_after: int | None = 0,
+                 sampled_union: bool = False):
         if not isinstance(lookup_k, int) or lookup_k < 1:
             raise UserError(f"lookup_k={lookup_k}: the most tokens the lookup branch adds, an integer >= 1")
         if skip_after is not None and (not isinstance(skip_after, int) or skip_after < 0):
             raise UserError(f"skip_after={skip_after}: fully accepted lookup branches in a row before the head sits a "
                             "round out, an integer >= 0, or null (never)")
         self.head, self.lookup, self.lookup_k, self.skip_after = head, lookup, lookup_k, skip_after
+        self.sampled_union = bool(sampled_union)
         self._chain: list[int] = []  # the lookup branch of the last proposal
         self._streak = 0  # lookup branches accepted whole, in a row
         self.max_draft = getattr(head, "max_draft", None)  # what k=auto may ask of the head
@@ -136,18 +145,22 @@ class LookupUnion:
         self._chain = []
 
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
-        alone = self._look(pending, sampler)
+        alone = self._look(pending, sampler, k)
         return alone if alone is not None else self._with_lookup(self.head.propose(pending, k, sampler), k)
 
     def _propose_tree(self, pending: int, tree: Any, sampler: Sampler) -> Proposal:
-        alone = self._look(pending, sampler)
+        alone = self._look(pending, sampler, tree.depth)
         return alone if alone is not None else self._with_lookup(self.head.propose_tree(pending, tree, sampler), None)
 
-    def _look(self, pending: int, sampler: Sampler) -> Proposal | None:
-        """Look up this round's continuation (``_chain``: empty at T>0, where the head drafts alone, or without a
-        match). Returns it as the round's whole proposal when the head sits the round out (a one-branch tree, so
-        that no k cuts it), else None: the head drafts and :meth:`_with_lookup` merges ``_chain`` into its draft."""
-        self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist() if sampler.greedy else []
+    def _look(self, pending: int, sampler: Sampler, depth: int) -> Proposal | None:
+        """Look up this round's continuation (``_chain``: ``lookup_k`` tokens, or at T>0 the head's ``depth``; empty
+        without a match, or at T>0 without ``sampled_union``). Returns it as the round's whole proposal when the head
+        sits the round out (a one-branch tree, so that no k cuts it; greedy only), else None: the head drafts and
+        :meth:`_with_lookup` merges ``_chain`` into its draft."""
+        if not sampler.greedy:
+            self._chain = self.lookup.propose(pending, depth, sampler).tokens.tolist()[:depth] if self.sampled_union else []
+            return None
+        self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist()
         if (self.skip_after is None or not self._chain or self._streak < self.skip_after
                 or not getattr(self.lookup, "alone", True)):  # a retrieval match outside the current text: merged
             return None
@@ -169,4 +182,12 @@ class LookupUnion:
             node = child
         if len(tokens) == n0:
             return prop  # nothing new: the head's own proposal, chain or tree
-        return Proposal(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(parents, dtype=torch.long))
+        probs = point = None
+        if prop.probs is not None:  # sampled: the new nodes are point masses beside the head's drawn nodes
+            probs = prop.probs[:n0]
+            probs = torch.cat([probs, probs.new_zeros(len(tokens) - n0, probs.shape[-1])])
+            point = torch.arange(len(tokens)) >= n0
+            if prop.point is not None:
+                point[:n0] = prop.point[:n0]
+        return Proposal(torch.tensor(tokens, dtype=torch.long), probs, torch.tensor(parents, dtype=torch.long),
+                        point=point)

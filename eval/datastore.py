@@ -140,12 +140,17 @@ def _chain(tokens: list[int]) -> Proposal:
 
 class DatastoreDrafter:
     """Retrieval drafting (see the module docstring): the current text first, then the datastore at ``path``.
-    ``context: false`` leaves the current text out (the datastore alone)."""
+    ``context: false`` leaves the current text out (the datastore alone). ``alone_ngram``: a datastore match of at
+    least this many tokens also counts as ``alone`` (with a head, :class:`eval.baselines.LookupUnion`, it then drafts
+    the round alone, as a match in the current text does); None: only current-text matches do."""
 
     def __init__(self, path: str, target: Any = None, max_ngram: int = 4, min_ngram: int = 2, max_matches: int = 64,
-                 context: bool = True):
+                 context: bool = True, alone_ngram: int | None = None):
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
             raise UserError(f"min_ngram={min_ngram}, max_ngram={max_ngram}: integers with 1 <= min_ngram <= max_ngram")
+        if alone_ngram is not None and not (isinstance(alone_ngram, int) and min_ngram <= alone_ngram <= max_ngram):
+            raise UserError(f"alone_ngram={alone_ngram}: an integer from min_ngram={min_ngram} to max_ngram={max_ngram}, "
+                            "or null")
         if not isinstance(max_matches, int) or max_matches < 1:
             raise UserError(f"max_matches={max_matches}: the most occurrences read per lookup, an integer >= 1")
         tokens, self.info = read_datastore(path)
@@ -154,9 +159,10 @@ class DatastoreDrafter:
             raise UserError(f"{path}: holds token id {int(tokens.max())}, beyond this target's vocabulary of {vocab} "
                             f"(built for {self.info.get('target', {}).get('name_or_path')!r}); build one with this target")
         self.max_ngram, self.min_ngram, self.max_matches, self.context = max_ngram, min_ngram, max_matches, context
+        self.alone_ngram = alone_ngram
         self.index = NGramIndex(tokens, min_ngram, max_ngram)
         self.history: list[int] = []
-        self.alone = False  # the last proposal came from the current text (eval.baselines.LookupUnion drafts it alone)
+        self.alone = False  # the last proposal came from the current text or an ``alone_ngram`` match (LookupUnion: alone)
 
     def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
         self.history = prompt_ids.view(-1).tolist()
@@ -165,20 +171,24 @@ class DatastoreDrafter:
         self.history += tokens.view(-1).tolist()
 
     def _rows(self, pending: int, depth: int) -> tuple[list[list[int]], bool]:
-        """(continuations, from the current text?) of the longest suffix found."""
+        """(continuations, from the current text?) of the longest suffix found; sets ``alone`` (the current text, or a
+        datastore match of at least ``alone_ngram`` tokens)."""
         h = self.history + [pending]
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             if self.context:
                 at = latest_match(h, n)
                 if at is not None:
+                    self.alone = True
                     return [h[at: at + depth]], True
             starts = self.index.starts(h[-n:], self.max_matches)
             if starts.numel():
+                self.alone = self.alone_ngram is not None and n >= self.alone_ngram
                 return self.index.continuations(starts, depth), False
+        self.alone = False
         return [], False
 
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
-        rows, self.alone = self._rows(pending, k)
+        rows, _ = self._rows(pending, k)
         if not rows:
             return Proposal(torch.empty(0, dtype=torch.long))
         return Proposal(trie_proposal(rows, k, k, 1).tokens)

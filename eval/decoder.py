@@ -108,15 +108,19 @@ def accept_sampling(draft: torch.Tensor, q: torch.Tensor | None, logits: torch.T
 
 
 def accept_tree(draft: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
-                sampler: Sampler) -> tuple[list[int], int]:
+                sampler: Sampler, point: torch.Tensor | None = None) -> tuple[list[int], int]:
     """Walk a verified tree from the root. draft, parents [n]; q [n, V] or None; logits [1+n, V] (row 0: the
-    pending token, row 1+i: node i) → (accepted node indices root-down, next token).
+    pending token, row 1+i: node i); ``point`` [n] bool or None: nodes that are point masses although q is given
+    → (accepted node indices root-down, next token).
 
     Greedy: follow the child whose token is the target's argmax. Sampling: recursive rejection over the siblings
     in their drawn order (SpecInfer; without replacement): sibling c is accepted with probability
     min(1, p(d_c)/q'(d_c)), where q' is q with the earlier rejected siblings removed and renormalised; on
-    rejection p becomes norm(max(0, p − q')). Nobody accepted: the next token is drawn from what is left of p.
-    With one child per node this is :func:`accept_sampling`, draw for draw."""
+    rejection p becomes norm(max(0, p − q')). A point-mass sibling (q None, or ``point``) is a candidate drawn
+    from one-hot q of its own, independent of the others (SpecInfer's several draft models): accepted with
+    probability p(d_c), on rejection p loses d_c; the sampled siblings' q' is left as it was. Nobody accepted: the
+    next token is drawn from what is left of p. With one child per node this is :func:`accept_sampling`, draw for
+    draw."""
     kids: dict[int, list[int]] = {}
     for i, par in enumerate(parents.tolist()):
         kids.setdefault(par, []).append(i)
@@ -136,7 +140,8 @@ def accept_tree(draft: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | No
             hit, qs = None, None
             for c in cand:
                 d = int(draft[c])
-                if q is None:  # deterministic candidate: one-hot q
+                one_hot = q is None or (point is not None and bool(point[c]))
+                if one_hot:  # deterministic candidate: one-hot q
                     qc = torch.zeros_like(p)
                     qc[d] = 1.0
                 else:
@@ -150,7 +155,7 @@ def accept_tree(draft: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | No
                 s = float(residual.sum())
                 if s > 0:
                     p = residual / s
-                if q is not None:  # the next sibling was drawn from q without this token
+                if not one_hot:  # the next sampled sibling was drawn from q without this token
                     qs = qc.clone()
                     qs[d] = 0
                     qs = qs / qs.sum().clamp_min(1e-30)
@@ -223,7 +228,7 @@ class SpeculativeDecoder:
             vlogits = self.target.model.lm_head(vout.last_state)[0]  # [1+n, V]
             t3 = time.perf_counter()
             if is_tree:
-                path, nxt = accept_tree(draft, prop.parents, prop.probs, vlogits, sampler)
+                path, nxt = accept_tree(draft, prop.parents, prop.probs, vlogits, sampler, prop.point)
                 keep = [0] + [1 + i for i in path]  # block rows of the accepted path
                 keep_rows(cache, cached, keep)
                 n, reached = len(path), int(depth.max()) if draft.numel() else 0

@@ -154,6 +154,31 @@ def test_a_datastore_match_joins_the_heads_draft_and_a_match_in_the_text_drafts_
     assert p.tokens.tolist() == [60, 61, 10] and not p.usual
 
 
+def test_a_long_datastore_match_drafts_alone_with_alone_ngram(store):
+    """``alone_ngram``: a datastore match of at least that many tokens drafts the round alone, as a match in the
+    current text does; a shorter one still joins the head's draft; bad values are one line."""
+    from eval.baselines import LookupUnion
+    from eval.decoder import Proposal
+    from test_tree_heads import _Fixed
+
+    T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    tree, spec = Proposal(T(12, 40), None, T(-1, -1)), TreeSpec(budget=8, depth=3, topk=2)
+    u = LookupUnion(_Fixed(tree), DatastoreDrafter(str(store), max_ngram=3, min_ngram=2, alone_ngram=3), lookup_k=3)
+    u.start(T(5, 10), None)
+    p = u.propose_tree(11, spec, Sampler())  # "10 11" (2 tokens) found: merged into the head's tree
+    assert p.tokens.tolist() == [12, 40, 13] and p.usual
+    u.start(T(7, 10, 11), None)
+    p = u.propose_tree(12, spec, Sampler())  # "10 11 12" (3 tokens): the datastore's continuation alone
+    assert p.tokens.tolist() == [13] and not p.usual
+    for bad in (1, 4):
+        with pytest.raises(UserError, match=f"alone_ngram={bad}"):
+            DatastoreDrafter(str(store), max_ngram=3, min_ngram=2, alone_ngram=bad)
+    from eval.run import load_head_with_lookup
+
+    with pytest.raises(UserError, match="alone_ngram: only with datastore="):
+        load_head_with_lookup("assets/embedded-eagle", None, alone_ngram=3)
+
+
 @pytest.mark.parametrize("name,vocab", [("smollm2", 49152), ("embedded", 8192)])
 def test_the_shipped_datastores_read_and_fit_their_targets(name, vocab):
     from conftest import ROOT

@@ -254,6 +254,67 @@ class FixedQTree(FixedQ):
         return prop if self.with_probs else Proposal(prop.tokens, None, prop.parents)
 
 
+class _PointChain:
+    """A lookup that always proposes the same chain (point masses)."""
+
+    def __init__(self, chain):
+        self.chain = chain
+        self.proposals = 0
+
+    def start(self, p, f):
+        pass
+
+    def commit(self, t, f):
+        pass
+
+    def propose(self, pending, k, sampler):
+        self.proposals += 1
+        return Proposal(torch.tensor(self.chain[:k], dtype=torch.long))
+
+
+def test_a_point_mass_sibling_is_tried_after_the_sampled_ones():
+    """accept_tree with ``point``: a sampled sibling the target never picks is rejected, then the point-mass sibling
+    is accepted with the target's probability of its token (here 1/2, where read as drawn from q it would always be),
+    the walk goes on below it, and otherwise the next token comes from what is left (the other half)."""
+    V = 5
+    q = torch.zeros(3, V)
+    q[0, 0] = 1.0  # node 0 drawn from q (all mass on token 0)
+    logits = torch.full((4, V), -30.0)
+    logits[0, 2] = logits[0, 1] = 30.0  # the target at the root: tokens 1 and 2, half each
+    logits[2, 4] = 30.0  # after node 1 (token 2): token 4 = node 2's token
+    logits[3, 3] = 30.0
+    draft, parents = torch.tensor([0, 2, 4]), torch.tensor([-1, -1, 1])
+    point = torch.tensor([False, True, True])
+    g = torch.Generator().manual_seed(0)
+    outcomes = [accept_tree(draft, parents, q, logits, Sampler(1.0, generator=g), point) for _ in range(2000)]
+    taken = sum(path == [1, 2] and nxt == 3 for path, nxt in outcomes)
+    assert all((path, nxt) in (([1, 2], 3), ([], 1)) for path, nxt in outcomes)
+    assert 0.45 < taken / 2000 < 0.55, taken
+
+
+@pytest.mark.parametrize("chain", [[3, 0], [2, 5]])
+def test_a_lookup_branch_beside_a_sampled_tree_keeps_the_target_distribution(chain, monkeypatch):
+    """LookupUnion at T>0: the head's tree drawn from q, the lookup's chain joined as point-mass nodes (merged where
+    the head drew the same token); chi-square as for sampled trees, with point-mass nodes really accepted."""
+    import eval.decoder
+    from eval.baselines import LookupUnion
+
+    through_point = []
+    real = eval.decoder.accept_tree
+
+    def counting(draft, parents, q, logits, sampler, point=None):
+        path, nxt = real(draft, parents, q, logits, sampler, point)
+        through_point.append(point is not None and any(bool(point[i]) for i in path))
+        return path, nxt
+
+    monkeypatch.setattr(eval.decoder, "accept_tree", counting)
+    chi2, accepted = sampled_marginals_chi2(lambda: LookupUnion(FixedQTree(FIXED_Q), _PointChain(chain), lookup_k=2,
+                                                                      sampled_union=True),
+                                            tree=TreeSpec(6, 2, 2))
+    assert len(through_point) == 3000 and sum(through_point) > 100, sum(through_point)
+    assert max(chi2) < 25.0, chi2
+
+
 @pytest.mark.parametrize("with_probs", [True, False])
 def test_tree_sampling_matches_target_distribution(with_probs):
     """As test_decoder's chi-square test, with trees of two children per node: recursive rejection over siblings

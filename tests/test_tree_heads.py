@@ -156,7 +156,8 @@ def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
     spec = TreeSpec(budget=8, depth=3, topk=2)
 
     def union(head, chain, sampler=Sampler()):
-        return LookupUnion(_Fixed(head), _Fixed(Proposal(chain)), lookup_k=5, skip_after=None).propose_tree(0, spec, sampler)
+        return LookupUnion(_Fixed(head), _Fixed(Proposal(chain)), lookup_k=5, skip_after=None,
+                           sampled_union=True).propose_tree(0, spec, sampler)
 
     p = union(tree, T(10, 12, 7))  # follows nodes 0 and 2, adds 7 below node 2
     assert p.tokens.tolist() == [10, 11, 12, 7] and p.parents.tolist() == [-1, -1, 0, 2]
@@ -164,7 +165,12 @@ def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
     assert p.tokens.tolist() == [10, 11, 12, 5, 6] and p.parents.tolist() == [-1, -1, 0, -1, 3]
     assert union(tree, T(10, 12)) is tree and union(tree, T()) is tree  # nothing new: the head's own proposal
     sampled = Proposal(T(10, 11), torch.full((2, 16), 1 / 16), T(-1, -1))
-    assert union(sampled, T(3, 4), Sampler(1.0)) is sampled  # sampling: the head alone
+    p = union(sampled, T(3, 4, 5, 6), Sampler(1.0))  # sampling: the lookup's branch, cut to the depth, as point masses
+    assert p.tokens.tolist() == [10, 11, 3, 4, 5] and p.parents.tolist() == [-1, -1, -1, 2, 3]
+    assert p.point.tolist() == [False, False, True, True, True] and p.probs.shape == (5, 16)
+    assert torch.equal(p.probs[:2], sampled.probs) and not p.probs[2:].any()
+    head_only = LookupUnion(_Fixed(sampled), _Fixed(Proposal(T(3, 4))))
+    assert head_only.propose_tree(0, spec, Sampler(1.0)) is sampled  # by default: the head alone
     chain = LookupUnion(_Fixed(Proposal(T(10, 11, 13))), _Fixed(Proposal(T(10, 4))), lookup_k=5, skip_after=None).propose(0, 2, Sampler())
     assert chain.tokens.tolist() == [10, 11, 4] and chain.parents.tolist() == [-1, 0, 0]  # the chain cut to k first
     from data.errors import UserError
@@ -187,7 +193,7 @@ def test_lookup_union_lets_the_head_sit_out_while_the_lookup_is_right():
     p = LookupUnion(_Fixed(tree), lookup, lookup_k=5, skip_after=0).propose(0, 1, greedy)
     assert p.tokens.tolist() == [5, 6, 7] and p.parents.tolist() == [-1, 0, 1] and not p.usual
     assert LookupUnion(_Fixed(tree), _Fixed(Proposal(T())), skip_after=0).propose_tree(0, spec, greedy) is tree
-    u = LookupUnion(_Fixed(tree), lookup, lookup_k=5, skip_after=1)
+    u = LookupUnion(_Fixed(tree), lookup, lookup_k=5, skip_after=1, sampled_union=True)
     u.start(T(1, 2), None)
     drafted = []
     for accepted in ([5, 6], [5, 6, 7], [5, 6, 7], [5]):  # a branch cut short, two whole ones, one cut short
@@ -195,7 +201,8 @@ def test_lookup_union_lets_the_head_sit_out_while_the_lookup_is_right():
         drafted.append("lookup" if not p.usual else "union")
         u.commit(T(0, *accepted), None)
     assert drafted == ["union", "union", "lookup", "lookup"] and u.propose_tree(0, spec, greedy).usual
-    assert u.propose_tree(0, spec, Sampler(1.0)) is tree  # sampling: the head alone
+    p = u.propose_tree(0, spec, Sampler(1.0))  # sampling: never the lookup alone, its branch joins the head's tree
+    assert p.tokens.tolist() == [10, 11, 12, 5, 6, 7] and p.usual
 
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
@@ -234,3 +241,8 @@ def test_head_with_lookup_decodes_losslessly(cfg_path):
             assert (union.grown >= 1) == (skip_after != 0) and (union.skipped >= 1) == (skip_after is not None)
             if skip_after is not None:  # k=auto learnt from the head's rounds only
                 assert sum(rounds for _, rounds in k.nodes_seen.values()) == st.passes - union.skipped
+        # sampling: the lookup's branch joins the head's sampled draft as point masses (distribution: test_decoder_trees)
+        union = Counting(copy.deepcopy(head), NGramDrafter(3, 1), lookup_k=8, sampled_union=True)
+        out, st = dec.generate(prompt, union, k=3, max_new_tokens=17, tree=tree,
+                               sampler=Sampler(1.0, generator=torch.Generator().manual_seed(0)))
+        assert len(out) == 17 and union.grown >= 1 and union.skipped == 0

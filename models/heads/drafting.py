@@ -88,12 +88,16 @@ def draw(logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Te
 class Proposal:
     """Drafted tokens: a chain (``parents`` None) or a tree (:mod:`models.heads.trees`): nodes in topological
     order, ``parents[i]`` the index of node i's parent (−1: the pending token). When sampling, siblings are drawn
-    without replacement from one distribution, in their listed order, and ``probs[i]`` is that distribution."""
+    without replacement from one distribution, in their listed order, and ``probs[i]`` is that distribution.
+    ``point`` marks nodes of a tree with ``probs`` that were not drawn from it but chosen deterministically (a lookup's
+    branch beside a head's sampled tree, :class:`eval.baselines.LookupUnion`): verification treats each as a point
+    mass, a candidate of its own after its sampled siblings (their rows in ``probs`` are not read)."""
 
     tokens: torch.Tensor                  # [k] drafted token ids
     probs: torch.Tensor | None = None     # [k, V] the distributions they were drawn from (None: deterministic)
     parents: torch.Tensor | None = None   # [k] tree: parent node index, −1 = the pending token; None: a chain
     usual: bool = True                    # False: not the drafter's usual round (k=auto learns nothing from it)
+    point: torch.Tensor | None = None     # [k] bool, with probs and parents: nodes drafted as point masses
 
 
 class Drafter(Protocol):
