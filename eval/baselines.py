@@ -108,9 +108,10 @@ class LookupUnion:
 
     Sampling (T > 0): the head draws its chain or tree from its q as always and the lookup never drafts alone (its
     tokens are accepted only with the target's own probability of them, below a sampled head's acceptance). With
-    ``sampled_union`` the lookup's continuation, cut to the head's depth, joins the head's draft as point-mass nodes
-    (``Proposal.point``): the decoder tries each after its sampled siblings, as a candidate of its own (lossless:
-    recursive rejection with one draft distribution per candidate, SpecInfer). Off by default (the head drafts
+    ``sampled_union`` the lookup's continuation joins the head's draft as point-mass nodes (``Proposal.point``): the
+    decoder tries each after its sampled siblings, as a candidate of its own (lossless: recursive rejection with one
+    draft distribution per candidate, SpecInfer). A round whose lookup branch reaches deeper than the head drafted
+    stays out of ``k=auto``'s estimates (``Proposal.usual``), which then measure the head's depths. Off by default (the head drafts
     alone): it raised τ on code where the text repeats but paid only there (eval/RESULTS.md, "Prompt lookup beside a
     sampled draft")."""
 
@@ -125,6 +126,7 @@ class LookupUnion:
         self.sampled_union = bool(sampled_union)
         self._chain: list[int] = []  # the lookup branch of the last proposal
         self._streak = 0  # lookup branches accepted whole, in a row
+        self._depth: int | None = None  # when sampling: the head's depth this round
         self.max_draft = getattr(head, "max_draft", None)  # what k=auto may ask of the head
         if hasattr(head, "tap_layers"):  # the target features the head reads (eval.run sets the target's taps)
             self.tap_layers = head.tap_layers
@@ -153,14 +155,15 @@ class LookupUnion:
         return alone if alone is not None else self._with_lookup(self.head.propose_tree(pending, tree, sampler), None)
 
     def _look(self, pending: int, sampler: Sampler, depth: int) -> Proposal | None:
-        """Look up this round's continuation (``_chain``: ``lookup_k`` tokens, or at T>0 the head's ``depth``; empty
-        without a match, or at T>0 without ``sampled_union``). Returns it as the round's whole proposal when the head
-        sits the round out (a one-branch tree, so that no k cuts it; greedy only), else None: the head drafts and
+        """Look up this round's continuation (``_chain``: up to ``lookup_k`` tokens; empty without a match, or at T>0
+        without ``sampled_union``). Returns it as the round's whole proposal when the head sits the round out (a
+        one-branch tree, so that no k cuts it; greedy only), else None: the head drafts (to ``depth``) and
         :meth:`_with_lookup` merges ``_chain`` into its draft."""
         if not sampler.greedy:
-            self._chain = self.lookup.propose(pending, depth, sampler).tokens.tolist()[:depth] if self.sampled_union else []
+            self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist() if self.sampled_union else []
+            self._depth = depth
             return None
-        self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist()
+        self._chain, self._depth = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist(), None
         if (self.skip_after is None or not self._chain or self._streak < self.skip_after
                 or not getattr(self.lookup, "alone", True)):  # a retrieval match outside the current text: merged
             return None
@@ -189,5 +192,6 @@ class LookupUnion:
             point = torch.arange(len(tokens)) >= n0
             if prop.point is not None:
                 point[:n0] = prop.point[:n0]
+        deep = self._depth is not None and len(chain) > self._depth  # sampling, deeper than the head
         return Proposal(torch.tensor(tokens, dtype=torch.long), probs, torch.tensor(parents, dtype=torch.long),
-                        point=point)
+                        point=point, usual=not deep)

@@ -165,10 +165,12 @@ def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
     assert p.tokens.tolist() == [10, 11, 12, 5, 6] and p.parents.tolist() == [-1, -1, 0, -1, 3]
     assert union(tree, T(10, 12)) is tree and union(tree, T()) is tree  # nothing new: the head's own proposal
     sampled = Proposal(T(10, 11), torch.full((2, 16), 1 / 16), T(-1, -1))
-    p = union(sampled, T(3, 4, 5, 6), Sampler(1.0))  # sampling: the lookup's branch, cut to the depth, as point masses
-    assert p.tokens.tolist() == [10, 11, 3, 4, 5] and p.parents.tolist() == [-1, -1, -1, 2, 3]
-    assert p.point.tolist() == [False, False, True, True, True] and p.probs.shape == (5, 16)
+    p = union(sampled, T(3, 4), Sampler(1.0))  # sampling: the lookup's branch joins as point masses
+    assert p.tokens.tolist() == [10, 11, 3, 4] and p.parents.tolist() == [-1, -1, -1, 2] and p.usual
+    assert p.point.tolist() == [False, False, True, True] and p.probs.shape == (4, 16)
     assert torch.equal(p.probs[:2], sampled.probs) and not p.probs[2:].any()
+    p = union(sampled, T(3, 4, 5, 6), Sampler(1.0))  # deeper than the head's tree: outside k=auto's estimates
+    assert p.tokens.tolist() == [10, 11, 3, 4, 5, 6] and not p.usual
     head_only = LookupUnion(_Fixed(sampled), _Fixed(Proposal(T(3, 4))))
     assert head_only.propose_tree(0, spec, Sampler(1.0)) is sampled  # by default: the head alone
     chain = LookupUnion(_Fixed(Proposal(T(10, 11, 13))), _Fixed(Proposal(T(10, 4))), lookup_k=5, skip_after=None).propose(0, 2, Sampler())
