@@ -111,9 +111,9 @@ class LookupUnion:
     ``sampled_union`` the lookup's continuation joins the head's draft as point-mass nodes (``Proposal.point``): the
     decoder tries each after its sampled siblings, as a candidate of its own (lossless: recursive rejection with one
     draft distribution per candidate, SpecInfer). A round whose lookup branch reaches deeper than the head drafted
-    stays out of ``k=auto``'s estimates (``Proposal.usual``), which then measure the head's depths. Off by default (the head drafts
-    alone): it raised τ on code where the text repeats but paid only there (eval/RESULTS.md, "Prompt lookup beside a
-    sampled draft")."""
+    stays out of ``k=auto``'s estimates (``Proposal.usual``), which then measure the head's depths. Off by default
+    (the head drafts alone): it paid on code, where the text repeats, and only there (eval/RESULTS.md, "Lookup
+    branches beside a head")."""
 
     def __init__(self, head: Any, lookup: Any, lookup_k: int = 8, skip_after: int | None = 0,
                  sampled_union: bool = False):

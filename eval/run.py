@@ -153,8 +153,7 @@ def load_head_with_lookup(path: str, target: Any, lookup_k: int = 8, max_ngram: 
                           skip_after: int | None = 0, linear_dtype: str = "auto", decode: dict | None = None,
                           datastore: str | None = None, alone_ngram: int | None = None,
                           sampled_union: bool = False) -> Any:
-    """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.baselines.LookupUnion`; greedy only,
-    sampling drafts the head alone). By default the lookup's continuation drafts alone wherever it finds a match and
+    """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.baselines.LookupUnion`). By default the lookup's continuation drafts alone wherever it finds a match and
     the head elsewhere (``skip_after=0``); ``skip_after: null`` adds the lookup as one more branch of every head's
     proposal instead (measured slower: eval/RESULTS.md, "A head with prompt lookup"). ``datastore``: a datastore of
     the target's answers (:mod:`eval.datastore`) is looked up after the current text; its matches of at least
