@@ -9,6 +9,7 @@ import torch
 from data.errors import UserError
 from eval.decoder import crop
 from models.heads.drafting import Proposal, Sampler, draw, proposal
+from models.heads.trees import chain_parents
 from models.target import TargetOutput
 
 
@@ -159,15 +160,13 @@ class LookupUnion:
         without ``sampled_union``). Returns it as the round's whole proposal when the head sits the round out (a
         one-branch tree, so that no k cuts it; greedy only), else None: the head drafts (to ``depth``) and
         :meth:`_with_lookup` merges ``_chain`` into its draft."""
-        if not sampler.greedy:
-            self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist() if self.sampled_union else []
-            self._depth = depth
-            return None
-        self._chain, self._depth = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist(), None
-        if (self.skip_after is None or not self._chain or self._streak < self.skip_after
+        look = sampler.greedy or self.sampled_union
+        self._chain = self.lookup.propose(pending, self.lookup_k, sampler).tokens.tolist() if look else []
+        self._depth = None if sampler.greedy else depth
+        if (not sampler.greedy or self.skip_after is None or not self._chain or self._streak < self.skip_after
                 or not getattr(self.lookup, "alone", True)):  # a retrieval match outside the current text: merged
             return None
-        return Proposal(torch.tensor(self._chain), None, torch.arange(-1, len(self._chain) - 1), usual=False)
+        return Proposal(torch.tensor(self._chain), None, chain_parents(len(self._chain)), usual=False)
 
     def _with_lookup(self, prop: Proposal, k: int | None) -> Proposal:
         chain = self._chain
@@ -190,8 +189,6 @@ class LookupUnion:
             probs = prop.probs[:n0]
             probs = torch.cat([probs, probs.new_zeros(len(tokens) - n0, probs.shape[-1])])
             point = torch.arange(len(tokens)) >= n0
-            if prop.point is not None:
-                point[:n0] = prop.point[:n0]
         deep = self._depth is not None and len(chain) > self._depth  # sampling, deeper than the head
         return Proposal(torch.tensor(tokens, dtype=torch.long), probs, torch.tensor(parents, dtype=torch.long),
                         point=point, usual=not deep)

@@ -28,6 +28,7 @@ there, and a datastore match joins the head's draft as one more branch.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 from collections import Counter
@@ -41,17 +42,21 @@ from omegaconf import DictConfig
 from data.errors import UserError, atomic_dir, cli, read_json, run_main
 from eval.baselines import latest_match
 from models.heads.drafting import Proposal, Sampler
-from models.heads.trees import TreeSpec
+from models.heads.trees import TreeSpec, chain_parents
 
 FORMAT = "draftsmith-datastore/1"
 _BASE = 1_000_003  # the n-gram hash: Σ token_{i-j}·B^j in wrapping int64 arithmetic (collisions are checked)
 
 
+@functools.cache
+def _powers(n: int) -> torch.Tensor:
+    """[B^(n-1), ..., B, 1] in int64 (made once per n: every lookup hashes its suffix)."""
+    return torch.tensor([_BASE ** j % 2**63 for j in range(n - 1, -1, -1)], dtype=torch.long)
+
+
 def _hash(windows: torch.Tensor) -> torch.Tensor:
     """n-gram keys: windows [..., n] long → [...] int64 (the last token weighted 1, the one before B, ...)."""
-    n = windows.shape[-1]
-    powers = torch.tensor([_BASE ** j % 2**63 for j in range(n - 1, -1, -1)], dtype=torch.long)
-    return (windows * powers).sum(-1)
+    return (windows * _powers(windows.shape[-1])).sum(-1)
 
 
 class NGramIndex:
@@ -135,7 +140,7 @@ def trie_proposal(rows: list[list[int]], budget: int, depth: int, topk: int, min
 
 def _chain(tokens: list[int]) -> Proposal:
     """A chain as a one-branch tree (what ``propose_tree`` returns for it)."""
-    return Proposal(torch.tensor(tokens, dtype=torch.long), None, torch.arange(-1, len(tokens) - 1))
+    return Proposal(torch.tensor(tokens, dtype=torch.long), None, chain_parents(len(tokens)))
 
 
 class DatastoreDrafter:

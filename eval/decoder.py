@@ -122,6 +122,7 @@ def accept_tree(draft: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | No
     next token is drawn from what is left of p. With one child per node this is :func:`accept_sampling`, draw for
     draw."""
     kids: dict[int, list[int]] = {}
+    points = point.tolist() if point is not None else None
     for i, par in enumerate(parents.tolist()):
         kids.setdefault(par, []).append(i)
     path: list[int] = []
@@ -140,7 +141,7 @@ def accept_tree(draft: torch.Tensor, parents: torch.Tensor, q: torch.Tensor | No
             hit, qs = None, None
             for c in cand:
                 d = int(draft[c])
-                one_hot = q is None or (point is not None and bool(point[c]))
+                one_hot = q is None or (points is not None and points[c])
                 if one_hot:  # deterministic candidate: one-hot q
                     qc = torch.zeros_like(p)
                     qc[d] = 1.0
