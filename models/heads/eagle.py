@@ -10,18 +10,16 @@ target's own frozen ``lm_head`` (soft cross-entropy, no norm in between: ``f`` i
 
 A thin subclass of :class:`models.heads.eagle3.Eagle3Head`: the same decoder layer (token embedding and feature
 enter attention side by side), the same chain and tree drafting; what differs is ``fuse`` (no ``fc`` over
-taps: the feature itself), ``logits_of`` (no norm) and ``step_loss`` (the feature regression).
+taps: the feature itself), ``feature_of`` (no norm: the output is the feature) and the defaults (the feature
+regression on, the target's frozen head over the full vocabulary, one step).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from data.errors import UserError
 from models.heads.eagle3 import Eagle3Head
-from models.layers import shift_left
 
 
 class EagleHead(Eagle3Head):
@@ -33,31 +31,19 @@ class EagleHead(Eagle3Head):
                  step_decay: float = 0.8, num_heads: int | None = None, num_kv_heads: int | None = None,
                  intermediate_size: int | None = None, rope_theta: float | None = None, rms_eps: float = 1e-6,
                  freeze_lm_head: bool = True):
-        if not isinstance(feature_weight, (int, float)) or feature_weight < 0:
-            raise UserError(f"draft.feature_weight={feature_weight}: the weight of the feature regression, a number >= 0")
         super().__init__(target, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, step_decay=step_decay,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
-                         rope_theta=rope_theta, rms_eps=rms_eps, freeze_lm_head=freeze_lm_head)
-        self.init_args = {"feature_weight": feature_weight, **self.init_args}
-        self.feature_weight = float(feature_weight)
+                         rope_theta=rope_theta, rms_eps=rms_eps, freeze_lm_head=freeze_lm_head,
+                         feature_weight=feature_weight)
         del self.fc, self.norm  # the feature enters as it is and leaves straight into lm_head
 
     def fuse(self, feats: Any) -> torch.Tensor:
         """Step 0's hidden input: the target's final-norm feature itself, [B, T, d]."""
         return feats.last_state.to(self.lm_head.weight.dtype)
 
-    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+    def feature_of(self, h: torch.Tensor) -> torch.Tensor:
         """h is a predicted feature: the head applies to it directly, as the target's head to its own feature."""
-        return self.lm_head(h)
-
-    def step_loss(self, j: int, h: torch.Tensor, feats: Any, w: torch.Tensor) -> torch.Tensor:
-        """Smooth-L1 between step j's output at position t and the target's feature at t+1+j (the one that
-        predicts the same token), over the positions the token loss scores (``w`` [B, T])."""
-        if self.feature_weight == 0:
-            return h.new_zeros(())
-        f = shift_left(feats.last_state, 1 + j).to(h.dtype)  # [B, T, d]
-        per = F.smooth_l1_loss(h, f, reduction="none").mean(-1)  # [B, T]
-        return self.feature_weight * (per * w).sum() / w.sum().clamp_min(1.0)
+        return h
 
     def serving_dims(self) -> dict:
         return {"hidden_size": self.lm_head.in_features, "vocab_size": self.t2d.numel(),

@@ -10,6 +10,8 @@
   plus its own position's key from each later step (:func:`models.layers.ttt_mask`).
 - Loss: soft cross-entropy against the target's distribution restricted to the draft vocabulary, step
   weights ``step_decay**j``; positions whose target argmax is outside the draft vocabulary are masked.
+  Optionally (``feature_weight`` > 0; EAGLE-3 itself has none) EAGLE-1's feature regression: smooth-L1 between
+  the normed output of step j (what ``lm_head`` reads) and the target's final-norm feature at t+1+j.
 
 Alignment (``loss_mask`` convention of :mod:`data.chat`): at step j, position t holds hidden input for
 position t and token ``input_ids[t+1+j]``, and learns the target's distribution at position t+1+j
@@ -21,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from data.errors import UserError
@@ -57,12 +60,17 @@ class Eagle3Head(DraftHead):
 
     def __init__(self, target: Any, ttt_steps: int = 7, draft_vocab_size: int | None = 32000, step_decay: float = 0.8,
                  num_heads: int | None = None, num_kv_heads: int | None = None, intermediate_size: int | None = None,
-                 rope_theta: float | None = None, rms_eps: float = 1e-6, freeze_lm_head: bool = False):
+                 rope_theta: float | None = None, rms_eps: float = 1e-6, freeze_lm_head: bool = False,
+                 feature_weight: float = 0.0):
         super().__init__(target, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, step_decay=step_decay,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
-                         rope_theta=rope_theta, rms_eps=rms_eps, freeze_lm_head=freeze_lm_head)
+                         rope_theta=rope_theta, rms_eps=rms_eps, freeze_lm_head=freeze_lm_head,
+                         feature_weight=feature_weight)
         if ttt_steps < 1:
             raise UserError(f"draft.ttt_steps={ttt_steps}: must be >= 1")
+        if isinstance(feature_weight, bool) or not isinstance(feature_weight, (int, float)) or feature_weight < 0:
+            raise UserError(f"draft.feature_weight={feature_weight}: the weight of the feature regression, a number >= 0")
+        self.feature_weight = float(feature_weight)
         tc = target.config
         d, V = tc.hidden_size, tc.vocab_size
         n_taps = len(target.tap_layers)
@@ -133,13 +141,25 @@ class Eagle3Head(DraftHead):
         """The hidden input of step 0 from the target's features: ``fc`` over the taps, [B, T, n_taps, d] → [B, T, d]."""
         return self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))
 
+    def feature_of(self, h: torch.Tensor) -> torch.Tensor:
+        """What ``lm_head`` reads of a step's pre-norm output h [B, T, d]: the draft's final norm of it, in the
+        place of the target's final-norm feature."""
+        return self.norm(h)
+
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, T, Vd] of a step's pre-norm output h [B, T, d]."""
-        return self.lm_head(self.norm(h))
+        return self.lm_head(self.feature_of(h))
 
     def step_loss(self, j: int, h: torch.Tensor, feats: Any, w: torch.Tensor) -> torch.Tensor:
-        """A loss of unroll step j beside the soft cross-entropy (none for EAGLE-3; EAGLE-1 regresses features)."""
-        return h.new_zeros(())
+        """A loss of unroll step j beside the soft cross-entropy: ``feature_weight`` × smooth-L1 between
+        ``feature_of`` step j's output at position t and the target's final-norm feature at t+1+j (the one that
+        predicts the same token), over the positions the token loss scores (``w`` [B, T]). EAGLE-3 has none
+        (weight 0); EAGLE-1 regresses features."""
+        if self.feature_weight == 0:
+            return h.new_zeros(())
+        f = shift_left(feats.last_state, 1 + j).to(h.dtype)  # [B, T, d]
+        per = F.smooth_l1_loss(self.feature_of(h), f, reduction="none").mean(-1)  # [B, T]
+        return self.feature_weight * (per * w).sum() / w.sum().clamp_min(1.0)
 
     def residual(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + MLP: the pre-norm output [B, T, d] fed to the next step."""
