@@ -40,13 +40,14 @@ def test_a_negative_feature_weight_is_refused():
         EagleHead(target, feature_weight=-1)
 
 
-def test_eagle3_feature_regression_targets_the_next_final_norm_feature():
-    """EAGLE-3's optional feature loss (``feature_weight``) regresses the normed output, what its ``lm_head`` reads,
-    onto the target's final-norm feature one position on; weight 0 (EAGLE-3's own recipe) adds nothing."""
+def test_eagle3_feature_regression_onto_the_next_final_norm_feature():
+    """EAGLE-3's optional feature loss (``feature_weight``) with ``feature_target: final_norm`` regresses the normed
+    output, what its ``lm_head`` reads, onto the target's final-norm feature one position on; weight 0 (EAGLE-3's own
+    recipe) adds nothing."""
     cfg3 = ROOT / "conf" / "draft" / "eagle3.yaml"
     target, plain = make_head(cfg3)
     assert plain.feature_weight == 0
-    _, head = make_head(cfg3, feature_weight=0.1)
+    _, head = make_head(cfg3, feature_weight=0.1, feature_target="final_norm")
     b = batch()
     feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
     w = torch.ones(b["input_ids"].shape)
@@ -70,9 +71,26 @@ def test_eagle3_feature_regression_targets_the_next_final_norm_feature():
                                                                          head.midlayer.mlp.down_proj.weight))
 
 
-def test_eagle3_refuses_a_negative_feature_weight():
+def test_eagle3_feature_regression_onto_the_next_step_input():
+    """``feature_target: input``: step j's output at t is regressed onto the step-0 input at t+1+j (``fc`` over the
+    taps there, detached), what step j+1 reads in decoding; the target gets no gradient, the output does."""
+    target, head = make_head(ROOT / "conf" / "draft" / "eagle3.yaml", feature_weight=0.1, feature_target="input")
+    b = batch()
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
+    w = torch.ones(b["input_ids"].shape)
+    x0 = head.fuse(feats).detach()  # [B, T, d]
+    assert head.step_loss(1, shift_left(x0, 2), feats, w) == 0 < head.step_loss(1, shift_left(x0, 1), feats, w)
+    h = shift_left(x0, 2).clone().requires_grad_(True) + 0.5
+    head.zero_grad()
+    head.step_loss(1, h, feats, w).backward()
+    assert head.fc.weight.grad is None or head.fc.weight.grad.abs().sum() == 0
+
+
+def test_eagle3_refuses_bad_feature_options():
     from models.heads.eagle3 import Eagle3Head
 
     target, _ = make_head(ROOT / "conf" / "draft" / "eagle3.yaml")
     with pytest.raises(UserError, match="draft.feature_weight=-0.5"):
         Eagle3Head(target, feature_weight=-0.5)
+    with pytest.raises(UserError, match="draft.feature_target='last'"):
+        Eagle3Head(target, feature_target="last")

@@ -10,8 +10,11 @@
   plus its own position's key from each later step (:func:`models.layers.ttt_mask`).
 - Loss: soft cross-entropy against the target's distribution restricted to the draft vocabulary, step
   weights ``step_decay**j``; positions whose target argmax is outside the draft vocabulary are masked.
-  Optionally (``feature_weight`` > 0; EAGLE-3 itself has none) EAGLE-1's feature regression: smooth-L1 between
-  the normed output of step j (what ``lm_head`` reads) and the target's final-norm feature at t+1+j.
+  Optionally (``feature_weight`` > 0; EAGLE-3 itself has none) EAGLE-1's feature regression, smooth-L1 of step
+  j's output at t onto ``feature_target`` at t+1+j: ``input``, the step-0 input there (``fc`` over the taps,
+  detached), so that step j+1 reads what step 0 was trained on and steps past the trained ones stay in
+  distribution, as EAGLE-1's do; or ``final_norm``, the normed output (what ``lm_head`` reads) onto the target's
+  final-norm feature. For EAGLE-1 (:mod:`models.heads.eagle`) the two are one: its input is that feature.
 
 Alignment (``loss_mask`` convention of :mod:`data.chat`): at step j, position t holds hidden input for
 position t and token ``input_ids[t+1+j]``, and learns the target's distribution at position t+1+j
@@ -61,16 +64,19 @@ class Eagle3Head(DraftHead):
     def __init__(self, target: Any, ttt_steps: int = 7, draft_vocab_size: int | None = 32000, step_decay: float = 0.8,
                  num_heads: int | None = None, num_kv_heads: int | None = None, intermediate_size: int | None = None,
                  rope_theta: float | None = None, rms_eps: float = 1e-6, freeze_lm_head: bool = False,
-                 feature_weight: float = 0.0):
+                 feature_weight: float = 0.0, feature_target: str = "input"):
         super().__init__(target, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, step_decay=step_decay,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                          rope_theta=rope_theta, rms_eps=rms_eps, freeze_lm_head=freeze_lm_head,
-                         feature_weight=feature_weight)
+                         feature_weight=feature_weight, feature_target=feature_target)
         if ttt_steps < 1:
             raise UserError(f"draft.ttt_steps={ttt_steps}: must be >= 1")
         if isinstance(feature_weight, bool) or not isinstance(feature_weight, (int, float)) or feature_weight < 0:
             raise UserError(f"draft.feature_weight={feature_weight}: the weight of the feature regression, a number >= 0")
-        self.feature_weight = float(feature_weight)
+        if feature_target not in ("input", "final_norm"):
+            raise UserError(f"draft.feature_target={feature_target!r}: use input (the next step-0 input) or final_norm "
+                            "(the target's next final-norm feature)")
+        self.feature_weight, self.feature_target = float(feature_weight), feature_target
         tc = target.config
         d, V = tc.hidden_size, tc.vocab_size
         n_taps = len(target.tap_layers)
@@ -151,14 +157,16 @@ class Eagle3Head(DraftHead):
         return self.lm_head(self.feature_of(h))
 
     def step_loss(self, j: int, h: torch.Tensor, feats: Any, w: torch.Tensor) -> torch.Tensor:
-        """A loss of unroll step j beside the soft cross-entropy: ``feature_weight`` × smooth-L1 between
-        ``feature_of`` step j's output at position t and the target's final-norm feature at t+1+j (the one that
-        predicts the same token), over the positions the token loss scores (``w`` [B, T]). EAGLE-3 has none
-        (weight 0); EAGLE-1 regresses features."""
+        """A loss of unroll step j beside the soft cross-entropy: ``feature_weight`` × smooth-L1 between step j's
+        output at position t and ``feature_target`` at t+1+j (the position that predicts the same token), over the
+        positions the token loss scores (``w`` [B, T]). EAGLE-3 has none (weight 0); EAGLE-1 regresses features."""
         if self.feature_weight == 0:
             return h.new_zeros(())
-        f = shift_left(feats.last_state, 1 + j).to(h.dtype)  # [B, T, d]
-        per = F.smooth_l1_loss(self.feature_of(h), f, reduction="none").mean(-1)  # [B, T]
+        if self.feature_target == "input":  # what step j+1 reads, in the place of the next step-0 input
+            out, f = h, shift_left(self.fuse(feats).detach(), 1 + j)  # [B, T, d]
+        else:  # what lm_head reads, in the place of the target's final-norm feature
+            out, f = self.feature_of(h), shift_left(feats.last_state, 1 + j).to(h.dtype)
+        per = F.smooth_l1_loss(out, f, reduction="none").mean(-1)  # [B, T]
         return self.feature_weight * (per * w).sum() / w.sum().clamp_min(1.0)
 
     def residual(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
