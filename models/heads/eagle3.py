@@ -156,14 +156,15 @@ class Eagle3Head(DraftHead):
         """Draft logits [B, T, Vd] of a step's pre-norm output h [B, T, d]."""
         return self.lm_head(self.feature_of(h))
 
-    def step_loss(self, j: int, h: torch.Tensor, feats: Any, w: torch.Tensor) -> torch.Tensor:
+    def step_loss(self, j: int, h: torch.Tensor, feats: Any, w: torch.Tensor, x0: torch.Tensor | None = None) -> torch.Tensor:
         """A loss of unroll step j beside the soft cross-entropy: ``feature_weight`` × smooth-L1 between step j's
         output at position t and ``feature_target`` at t+1+j (the position that predicts the same token), over the
-        positions the token loss scores (``w`` [B, T]). EAGLE-3 has none (weight 0); EAGLE-1 regresses features."""
+        positions the token loss scores (``w`` [B, T]); ``x0``: the step-0 input [B, T, d] where the caller has it.
+        EAGLE-3 has none (weight 0); EAGLE-1 regresses features."""
         if self.feature_weight == 0:
             return h.new_zeros(())
         if self.feature_target == "input":  # what step j+1 reads, in the place of the next step-0 input
-            out, f = h, shift_left(self.fuse(feats).detach(), 1 + j)  # [B, T, d]
+            out, f = h, shift_left((self.fuse(feats) if x0 is None else x0).detach(), 1 + j)  # [B, T, d]
         else:  # what lm_head reads, in the place of the target's final-norm feature
             out, f = self.feature_of(h), shift_left(feats.last_state, 1 + j).to(h.dtype)
         per = F.smooth_l1_loss(out, f, reduction="none").mean(-1)  # [B, T]
@@ -179,12 +180,13 @@ class Eagle3Head(DraftHead):
         h = self.residual(hidden, attn_out)
         return h, self.logits_of(h)
 
-    def unroll(self, ids: torch.Tensor, valid: torch.Tensor, feats: Any, steps: int):
+    def unroll(self, ids: torch.Tensor, valid: torch.Tensor, feats: Any, steps: int, hidden: torch.Tensor | None = None):
         """The training-time-test forward: yields step j's pre-norm output [B, T, d] for j < ``steps`` (its draft
         logits are ``logits_of`` of it); at step j position t reads token ``ids[t+1+j]`` and predicts token t+2+j
-        (what decoding's chain computes with the drafts as the following tokens)."""
+        (what decoding's chain computes with the drafts as the following tokens). ``hidden``: step 0's input
+        (``fuse(feats)``) where the caller has computed it."""
         B, T = ids.shape
-        hidden = self.fuse(feats)  # [B, T, d]
+        hidden = self.fuse(feats) if hidden is None else hidden  # [B, T, d]
         base_pos = torch.arange(T, device=ids.device).expand(B, T)
         keys, values = [], []
         for j in range(steps):
@@ -213,13 +215,14 @@ class Eagle3Head(DraftHead):
         loss = t_probs.new_zeros(())
         correct = torch.zeros(self.ttt_steps, device=ids.device)
         total = torch.zeros(self.ttt_steps, device=ids.device)
-        for j, h in enumerate(self.unroll(ids, valid, feats, self.ttt_steps)):
+        x0 = self.fuse(feats)  # [B, T, d] step 0's input, also the regression's reference (feature_target: input)
+        for j, h in enumerate(self.unroll(ids, valid, feats, self.ttt_steps, x0)):
             w = step_weights(loss_mask, in_vocab, valid, j)  # [B, T]
             b, t = w.nonzero(as_tuple=True)  # the N scored positions: only they are projected onto the vocabulary
             logits = self.logits_of(h[b, t])  # [N, Vd]
             wn = w[b, t]
             ce = row_ce(logits, teacher=t_probs.view(B * T, -1), rows=b * T + t + 1 + j, teacher_is_probs=True)  # [N]
-            loss = loss + (self.step_decay ** j) * ((ce * wn).sum() / wn.sum().clamp_min(1.0) + self.step_loss(j, h, feats, w))
+            loss = loss + (self.step_decay ** j) * ((ce * wn).sum() / wn.sum().clamp_min(1.0) + self.step_loss(j, h, feats, w, x0))
             with torch.no_grad():
                 top = logits.argmax(-1)
                 correct[j], total[j] = (top + self.d2t[top] == t_top[b, t + 1 + j]).sum(), b.numel()  # target ids
