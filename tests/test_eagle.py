@@ -80,10 +80,17 @@ def test_eagle3_feature_regression_onto_the_next_step_input():
     w = torch.ones(b["input_ids"].shape)
     x0 = head.fuse(feats).detach()  # [B, T, d]
     assert head.step_loss(1, shift_left(x0, 2), feats, w) == 0 < head.step_loss(1, shift_left(x0, 1), feats, w)
-    h = shift_left(x0, 2).clone().requires_grad_(True) + 0.5
+    h = (shift_left(x0, 2) + 0.5).requires_grad_(True)
     head.zero_grad()
     head.step_loss(1, h, feats, w).backward()
     assert head.fc.weight.grad is None or head.fc.weight.grad.abs().sum() == 0
+    assert h.grad is not None and h.grad.abs().sum() > 0
+    # in training (the step-0 input computed once for the unroll and the reference) it adds to the loss only
+    torch.manual_seed(0)
+    with_feat = head.training_loss(b, feats)
+    head.feature_weight = 0.0
+    without = head.training_loss(b, feats)
+    assert with_feat.loss > without.loss and torch.equal(with_feat.correct, without.correct)
 
 
 def test_eagle3_refuses_bad_feature_options():
