@@ -343,6 +343,14 @@ def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: 
     return loss, hit.sum().float(), wn.new_tensor(float(b.numel()))
 
 
+def feature_regression(out: torch.Tensor, ref: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """EAGLE-1's feature loss (arXiv 2401.15077): smooth-L1 of a draft's output states ``out`` [B, T, d] onto the
+    reference states ``ref`` [B, T, d] (the caller aligns and detaches them), averaged over d and weighted per
+    position by ``w`` [B, T]."""
+    per = F.smooth_l1_loss(out, ref.to(out.dtype), reduction="none").mean(-1)  # [B, T]
+    return (per * w).sum() / w.sum().clamp_min(1.0)
+
+
 def expected_acceptance_length(acc: list[float] | torch.Tensor) -> float:
     """1 + Σ_k Π_{j<=k} acc_j: the expected tokens per verification if step j is accepted with prob acc_j."""
     total, run = 1.0, 1.0

@@ -55,6 +55,40 @@ def test_loss_weights_and_bad_arguments():
 
 
 @LAYOUTS
+def test_feature_regression_pulls_each_depth_onto_the_next_depth0_input(cfg):
+    """``feature_weight``: depth j+1's output at t is regressed onto the target's final-norm feature at t+1+j (depth 0's
+    input at the position that predicts the same token); a perfect output costs nothing, the loss reaches the modules,
+    weight 0 (the published recipes) adds nothing, and only scored positions count."""
+    target, head = make_head(cfg, num_modules=2, feature_weight=0.1)
+    b = batch(B=2, T=12)
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
+    for j in range(2):
+        perfect = shift_left(feats.last_state, 1 + j)
+        assert head.depth_regression(j, perfect, feats, b["loss_mask"], b["attention_mask"]) == 0
+        assert head.depth_regression(j, shift_left(feats.last_state, j), feats, b["loss_mask"], b["attention_mask"]) > 0
+    # a position whose token t+2+j is not scored does not count
+    mask = torch.zeros_like(b["loss_mask"])
+    mask[0, 9] = 1  # token 9: depth 1 scores position 7
+    off = shift_left(feats.last_state, 1).clone()
+    off[0, 3] += 5.0
+    assert head.depth_regression(0, off, feats, mask, b["attention_mask"]) == 0
+    off[0, 7] += 5.0
+    assert head.depth_regression(0, off, feats, mask, b["attention_mask"]) > 0
+    # in training it adds to the loss (not to the accuracies) and trains every module
+    with_feat = head.training_loss(b, feats)
+    head.zero_grad()
+    with_feat.loss.backward()
+    assert all(m.eh_proj.weight.grad.abs().sum() > 0 for m in head.layers)
+    head.feature_weight = 0.0
+    without = head.training_loss(b, feats)
+    assert with_feat.loss > without.loss and torch.equal(with_feat.correct, without.correct)
+    _, plain = make_head(cfg, num_modules=2)
+    assert plain.feature_weight == 0
+    with pytest.raises(UserError, match="draft.feature_weight=-1"):
+        MTPHead(target, feature_weight=-1)
+
+
+@LAYOUTS
 def test_frozen_embedding_and_head_stay_frozen(cfg):
     target, head = make_head(cfg)
     assert torch.equal(head.embed_tokens.weight, target.embed_tokens().weight)

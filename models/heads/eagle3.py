@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from data.errors import UserError
@@ -34,8 +33,8 @@ from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, proposal
 from models.heads.trees import TreeSpec, ancestors, grow_tree, node_depths
 from models.heads.vocab import build_draft_vocab, choose, draft_ids
-from models.layers import (MLP, Attention, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding,
-                           row_ce, shift_left, ttt_attention)
+from models.layers import (MLP, Attention, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm, feature_regression,
+                           frozen_embedding, row_ce, shift_left, ttt_attention)
 from models.target import rope_theta as target_rope_theta
 
 
@@ -167,8 +166,7 @@ class Eagle3Head(DraftHead):
             out, f = h, shift_left((self.fuse(feats) if x0 is None else x0).detach(), 1 + j)  # [B, T, d]
         else:  # what lm_head reads, in the place of the target's final-norm feature
             out, f = self.feature_of(h), shift_left(feats.last_state, 1 + j).to(h.dtype)
-        per = F.smooth_l1_loss(out, f, reduction="none").mean(-1)  # [B, T]
-        return self.feature_weight * (per * w).sum() / w.sum().clamp_min(1.0)
+        return self.feature_weight * feature_regression(out, f, w)
 
     def residual(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + MLP: the pre-norm output [B, T, d] fed to the next step."""

@@ -37,6 +37,10 @@ instead of V (on the embedded target the full head was two thirds of a drafted t
 its accuracies stay over the full vocabulary; serving formats drop the vocabulary (vLLM drafts from the full head).
 ``reuse_last_module``: propose more than D tokens by applying the last module at deeper depths (untrained
 extrapolation, each extra depth with its own cache); off by default.
+``feature_weight`` (default 0; neither DeepSeek-V3 nor speculators has it): EAGLE-1's feature regression beside the
+token loss, each depth's output at t (what the next depth reads) onto the depth-0 input at the position that predicts
+the same token (the target's final-norm feature at t+k). Every depth then hands on a state in the space the first
+module reads, so ``reuse_last_module`` applies the last module to inputs like those it was trained on.
 
 Two layouts, one class (the defaults are DeepSeek-V3's; ``conf/draft/mtp_speculators.yaml`` sets the other):
 
@@ -64,7 +68,7 @@ from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
 from models.heads.vocab import build_draft_vocab, choose, draft_ids
 from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm,
-                           frozen_embedding, frozen_linear, lookahead_loss, shift_left)
+                           feature_regression, frozen_embedding, frozen_linear, lookahead_loss, shift_left)
 from models.target import rope_theta
 
 
@@ -138,12 +142,17 @@ class MTPHead(DraftHead):
 
     def __init__(self, target: Any, num_modules: int = 3, loss_weights: list[float] | None = None, soft: bool = False,
                  reuse_last_module: bool = False, rms_eps: float = 1e-6, shared_module: bool = False,
-                 qk_norm: bool = False, chain_normed: bool = False, draft_vocab_size: int | None = None):
+                 qk_norm: bool = False, chain_normed: bool = False, draft_vocab_size: int | None = None,
+                 feature_weight: float = 0.0):
         super().__init__(target, num_modules=num_modules, loss_weights=loss_weights, soft=soft,
                          reuse_last_module=reuse_last_module, rms_eps=rms_eps, shared_module=shared_module,
-                         qk_norm=qk_norm, chain_normed=chain_normed, draft_vocab_size=draft_vocab_size)
+                         qk_norm=qk_norm, chain_normed=chain_normed, draft_vocab_size=draft_vocab_size,
+                         feature_weight=feature_weight)
         if num_modules < 1:
             raise UserError(f"draft.num_modules={num_modules}: must be >= 1")
+        if isinstance(feature_weight, bool) or not isinstance(feature_weight, (int, float)) or feature_weight < 0:
+            raise UserError(f"draft.feature_weight={feature_weight}: the weight of the feature regression, a number >= 0")
+        self.feature_weight = float(feature_weight)
         weights = [0.8 ** k for k in range(num_modules)] if loss_weights is None else [float(w) for w in loss_weights]
         if len(weights) != num_modules or min(weights) < 0 or sum(weights) <= 0:
             raise UserError(f"draft.loss_weights={loss_weights}: give {num_modules} non-negative weights "
@@ -260,8 +269,17 @@ class MTPHead(DraftHead):
         for j, h in enumerate(self.depth_states(ids, feats.last_state, K)):
             lj, correct[j], total[j] = lookahead_loss(h, lambda x, d=j + 1: self.logits(d, x), ids, loss_mask, valid,
                                                       t_top, 1 + j, feats.logits if self.soft else None)
+            if self.feature_weight:
+                lj = lj + self.feature_weight * self.depth_regression(j, h, feats, loss_mask, valid)
             loss = loss + self.loss_weights[j] * lj
         return HeadOutput(loss=loss, correct=correct, total=total)
+
+    def depth_regression(self, j: int, h: torch.Tensor, feats: Any, loss_mask: torch.Tensor,
+                         valid: torch.Tensor) -> torch.Tensor:
+        """Smooth-L1 of depth j+1's output h [B, T, d] at t onto the depth-0 input at t+1+j (the target's final-norm
+        feature that predicts the same token t+2+j), over the positions whose token t+2+j the token loss scores."""
+        w = (shift_left(loss_mask, 2 + j) * shift_left(valid, 2 + j)).float()  # [B, T]
+        return feature_regression(h, shift_left(feats.last_state, 1 + j), w)
 
     # -- inference (the decoder's Drafter protocol) ----------------------------------------------
     # State, with n = tokens the target has processed (the pending token excluded):
