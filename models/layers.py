@@ -343,6 +343,13 @@ def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: 
     return loss, hit.sum().float(), wn.new_tensor(float(b.numel()))
 
 
+def loss_weight(value, field: str) -> float:
+    """A loss weight from the config: a number >= 0, or one UserError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise UserError(f"{field}={value}: the weight of a loss term, a number >= 0")
+    return float(value)
+
+
 def feature_regression(out: torch.Tensor, ref: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """EAGLE-1's feature loss (arXiv 2401.15077): smooth-L1 of a draft's output states ``out`` [B, T, d] onto the
     reference states ``ref`` [B, T, d] (the caller aligns and detaches them), averaged over d and weighted per

@@ -34,7 +34,7 @@ from models.heads.drafting import Proposal, Sampler, proposal
 from models.heads.trees import TreeSpec, ancestors, grow_tree, node_depths
 from models.heads.vocab import build_draft_vocab, choose, draft_ids
 from models.layers import (MLP, Attention, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm, feature_regression,
-                           frozen_embedding, row_ce, shift_left, ttt_attention)
+                           frozen_embedding, loss_weight, row_ce, shift_left, ttt_attention)
 from models.target import rope_theta as target_rope_theta
 
 
@@ -70,12 +70,10 @@ class Eagle3Head(DraftHead):
                          feature_weight=feature_weight, feature_target=feature_target)
         if ttt_steps < 1:
             raise UserError(f"draft.ttt_steps={ttt_steps}: must be >= 1")
-        if isinstance(feature_weight, bool) or not isinstance(feature_weight, (int, float)) or feature_weight < 0:
-            raise UserError(f"draft.feature_weight={feature_weight}: the weight of the feature regression, a number >= 0")
         if feature_target not in ("input", "final_norm"):
             raise UserError(f"draft.feature_target={feature_target!r}: use input (the next step-0 input) or final_norm "
                             "(the target's next final-norm feature)")
-        self.feature_weight, self.feature_target = float(feature_weight), feature_target
+        self.feature_weight, self.feature_target = loss_weight(feature_weight, "draft.feature_weight"), feature_target
         tc = target.config
         d, V = tc.hidden_size, tc.vocab_size
         n_taps = len(target.tap_layers)

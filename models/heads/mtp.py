@@ -68,7 +68,7 @@ from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
 from models.heads.vocab import build_draft_vocab, choose, draft_ids
 from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm,
-                           feature_regression, frozen_embedding, frozen_linear, lookahead_loss, shift_left)
+                           feature_regression, frozen_embedding, frozen_linear, lookahead_loss, loss_weight, shift_left)
 from models.target import rope_theta
 
 
@@ -150,9 +150,7 @@ class MTPHead(DraftHead):
                          feature_weight=feature_weight)
         if num_modules < 1:
             raise UserError(f"draft.num_modules={num_modules}: must be >= 1")
-        if isinstance(feature_weight, bool) or not isinstance(feature_weight, (int, float)) or feature_weight < 0:
-            raise UserError(f"draft.feature_weight={feature_weight}: the weight of the feature regression, a number >= 0")
-        self.feature_weight = float(feature_weight)
+        self.feature_weight = loss_weight(feature_weight, "draft.feature_weight")
         weights = [0.8 ** k for k in range(num_modules)] if loss_weights is None else [float(w) for w in loss_weights]
         if len(weights) != num_modules or min(weights) < 0 or sum(weights) <= 0:
             raise UserError(f"draft.loss_weights={loss_weights}: give {num_modules} non-negative weights "
