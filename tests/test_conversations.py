@@ -92,3 +92,39 @@ def test_packaged_sharegpt_is_parsed_as_a_stream():
     assert report.kept > 17_000
     assert any("cut off" in n for n in report.notes)
     assert all(c["messages"][0]["role"] in ("user", "system") for c in convs[:500])
+
+
+def _answers(tmp_path, name, n, word, extra=()):
+    p = tmp_path / name
+    p.write_text("\n".join(json.dumps(rec(f"id{i}_0", [("human", f"q{i}"), ("gpt", f"{word}{i}")]))
+                           for i in [*range(n), *extra]))
+    return str(p)
+
+
+def test_a_list_of_sources_keeps_both_answers_to_a_prompt_on_one_side_of_the_split(tmp_path):
+    greedy = _answers(tmp_path, "greedy.jsonl", 100, "g")
+    sampled = _answers(tmp_path, "sampled.jsonl", 60, "s", extra=[500])
+    convs, report = read_conversations([greedy, sampled])
+    assert report.kept == len(convs) == 161
+    assert [c["id"] for c in convs[:4]] == ["id0_0", "id0_0@1", "id1_0", "id1_0@1"]  # interleaved, later ids renamed
+    assert convs[1]["messages"][1]["content"] == "s0" and convs[0]["messages"][1]["content"] == "g0"
+    assert "id500_0" in [c["id"] for c in convs]  # an id no earlier source holds keeps its name
+    assert all(c["bucket"] == id_bucket(c["id"].split("@")[0]) for c in convs)
+    assert any("60 ids already in an earlier source" in n for n in report.notes), report.summary()
+    tr = load_conversations([greedy, sampled], "train", 0.3, cache_dir=tmp_path / "cache", verbose=False)
+    ho = load_conversations([greedy, sampled], "heldout", 0.3, cache_dir=tmp_path / "cache", verbose=False)
+    assert len(tr) + len(ho) == 161 and len(ho) > 0
+    base = lambda ids: {i.split("@")[0] for i in ids}  # noqa: E731
+    assert base(tr["id"]).isdisjoint(base(ho["id"]))
+    assert any(i.endswith("@1") for i in ho["id"]) and any("@" not in i for i in ho["id"])
+    # a list of one is that source, and the cache tells a list from its first entry
+    assert load_conversations([greedy], "all", cache_dir=tmp_path / "cache", verbose=False)["id"] == \
+        load_conversations(greedy, "all", cache_dir=tmp_path / "cache", verbose=False)["id"]
+
+
+def test_a_bad_entry_in_a_list_of_sources_is_one_line_naming_it(tmp_path):
+    good = _answers(tmp_path, "g.jsonl", 5, "g")
+    with pytest.raises(UserError, match="missing.jsonl: no such file"):
+        read_conversations([good, str(tmp_path / "missing.jsonl")])
+    with pytest.raises(UserError, match=r"data.source=\[\]"):
+        load_conversations([], "all", cache_dir=tmp_path / "cache", verbose=False)
