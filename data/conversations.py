@@ -132,7 +132,7 @@ def iter_file_records(path: Path, report: LoadReport) -> Iterator[Any]:
     if not path.exists():
         raise UserError(f"{path}: no such file; give source=sharegpt, a .json/.jsonl path, or a dataset name "
                         "(a set of the target's own answers is made by python -m data.regenerate: the comment in "
-                        "conf/data/<name>_regen.yaml gives the commands)")
+                        "conf/data/<name>_regen.yaml or <name>_sampled.yaml gives the commands)")
     if path.stat().st_size == 0:
         raise UserError(f"{path}: file is empty; give a JSON array or JSONL file of conversations")
     try:
