@@ -46,3 +46,35 @@ def test_drafting_k_tokens_runs_only_the_first_k_heads():
         x.remove()
     assert calls == [0, 0, 1, 2, 3]
     assert one.tokens.tolist() == four.tokens[:1].tolist()
+
+
+HYDRA = ROOT / "conf" / "draft" / "medusa_hydra.yaml"
+
+
+def test_untrained_hydra_heads_are_medusa_heads():
+    """Hydra's first block starts as the identity on h, so an untrained sequential head repeats the target's head
+    whatever tokens it reads."""
+    target, head = make_head(HYDRA, num_heads=3)
+    h = torch.randn(5, target.hidden_size)
+    for k in range(3):
+        tokens = torch.randint(0, 128, (5, k + 1), generator=torch.Generator().manual_seed(k))
+        assert torch.allclose(head.head_logits(k, h, tokens), target.lm_head()(h), atol=1e-5)
+
+
+def test_only_hydra_heads_read_the_pending_token_and_the_drafts():
+    """Head k's logits at position t change with token t+1+k (the pending token for head 0) for Hydra's heads,
+    never for Medusa's, and never with a token after t+1+k for either."""
+    for cfg, reads in ((CFG, False), (HYDRA, True)):
+        target, head = make_head(cfg, num_heads=3)
+        for p in head.parameters():
+            if p.requires_grad:
+                torch.nn.init.normal_(p, std=0.05)
+        ids = batch(B=1, T=12)["input_ids"]
+        feats = target(ids)
+        base = head.teacher_forced_logits(ids, feats, 5, 3)  # [3, V]: heads 0..2 at t = 5
+        for j in (6, 7, 8):  # the pending token and the two drafts
+            other = ids.clone()
+            other[0, j] = (other[0, j] + 1) % 128
+            moved = head.teacher_forced_logits(other, feats, 5, 3)
+            changed = [not torch.equal(moved[k], base[k]) for k in range(3)]
+            assert changed == [reads and k >= j - 6 for k in range(3)], (cfg.stem, j, changed)
