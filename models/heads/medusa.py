@@ -143,7 +143,8 @@ class MedusaHead(DraftHead):
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         tokens, probs = [], []
         for j in range(min(k, self.num_steps)):
-            t, q = draw(self.head_logits(j, self._h, torch.tensor([pending] + tokens)), sampler)
+            read = torch.tensor([pending] + tokens) if self.sequential else None  # Medusa's heads read no tokens
+            t, q = draw(self.head_logits(j, self._h, read), sampler)
             tokens.append(int(t))
             probs.append(q)
         return proposal(tokens, probs)
