@@ -99,8 +99,7 @@ class MedusaHead(DraftHead):
     def logits(self, h: torch.Tensor, n: int | None = None) -> list[torch.Tensor]:
         """Medusa: h [..., d] → one [..., V] per head, for the first ``n`` heads (default: all; drafting k tokens
         needs k)."""
-        h = h.to(self.heads[0].weight.dtype)
-        return [head(block(h)) for block, head in list(zip(self.blocks, self.heads))[:n]]
+        return [self.head_logits(k, h) for k in range(self.num_steps)[:n]]
 
     def head_logits(self, k: int, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Head k's logits [..., V] from h [..., d] and, with ``sequential``, the tokens [..., k+1] it reads (the
@@ -156,14 +155,13 @@ class MedusaHead(DraftHead):
         with the node's own path, one row per node)."""
         tree = self.within_reach(tree)
         root = torch.tensor([pending])
-        if not self.sequential:
-            heads = self.logits(self._h, tree.depth)  # tree.depth × [V]
+        heads = self.logits(self._h, tree.depth) if not self.sequential else None  # Medusa: tree.depth × [V], once
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
             depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth
-            if not self.sequential:
+            if heads:
                 return heads[depth].expand(len(nodes), -1)  # [len(nodes), V]
             paths = torch.stack([torch.cat([root, tokens[path_to(n, parents)]]) for n in nodes])  # [n, depth+1]
             return self.head_logits(depth, self._h.expand(len(nodes), -1), paths)  # [len(nodes), V]
 
-        return grow_tree(self.head_logits(0, self._h, root), expand, tree, sampler)
+        return grow_tree(heads[0] if heads else self.head_logits(0, self._h, root), expand, tree, sampler)
