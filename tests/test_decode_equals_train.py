@@ -18,10 +18,10 @@ from models.target import TargetOutput
 from test_heads import DRAFT_CONFIGS, make_head
 
 
-def _perturbed(cfg_path):
+def perturbed(cfg_path, **over):
     """A head whose every weight is random (zero-initialised parts included), with a reduced draft vocabulary
-    where the family has one, so that no path of propose is trivially the identity."""
-    over = {"draft_vocab_size": 96} if "draft_vocab_size" in OmegaConf.load(cfg_path) else {}
+    where the family has one, so that no path of propose is trivially the identity; ``over``: config overrides."""
+    over = {"draft_vocab_size": 96, **over} if "draft_vocab_size" in OmegaConf.load(cfg_path) else over
     target, head = make_head(cfg_path, **over)
     head.prepare_from_data(torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(7)))
     g = torch.Generator().manual_seed(11)
@@ -39,7 +39,11 @@ def _tail(target, ids, n):
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
 def test_propose_equals_the_teacher_forced_training_forward(cfg_path):
-    target, head = _perturbed(cfg_path)
+    check_decode_equals_train(*perturbed(cfg_path))
+
+
+def check_decode_equals_train(target, head) -> None:
+    """The body of the test above, for a head built any way (tests of a family's options call it too)."""
     K = head.num_steps
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 128, (9,), generator=g)
@@ -110,11 +114,16 @@ def test_tree_nodes_equal_the_teacher_forced_training_forward(cfg_path):
     """``propose_tree`` (every family that drafts trees): each node's siblings are the top tokens (T=0) of the
     training forward teacher-forced on the node's path, and at T=1 their q is its softmax; committing a path of
     the tree leaves the head where committing that chain would (later proposals still equal training)."""
-    from models.heads.trees import TreeSpec, path_to
-
-    target, head = _perturbed(cfg_path)
+    target, head = perturbed(cfg_path)
     if not hasattr(head, "propose_tree"):
         pytest.skip(f"{cfg_path.stem} drafts chains only")
+    check_tree_equals_train(target, head)
+
+
+def check_tree_equals_train(target, head) -> None:
+    """The body of the test above, for a head built any way."""
+    from models.heads.trees import TreeSpec, path_to
+
     spec = TreeSpec(budget=10, depth=min(4, head.num_steps), topk=3)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 128, (9,), generator=g)

@@ -10,7 +10,7 @@ import torch
 
 from eval.decoder import Proposal, Sampler, SpeculativeDecoder
 from models.heads.trees import TreeSpec, chain_parents, node_depths, path_to
-from test_decode_equals_train import _perturbed, _tail
+from test_decode_equals_train import perturbed, _tail
 from test_decoder import PROMPTS, plain_greedy
 from test_heads import DRAFT_CONFIGS
 
@@ -18,7 +18,7 @@ from test_heads import DRAFT_CONFIGS
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_tree_decodes_losslessly(cfg_path, temperature):
-    target, head = _perturbed(cfg_path)
+    target, head = perturbed(cfg_path)
     dec = SpeculativeDecoder(target, eos_token_ids=[])
     spec = TreeSpec(budget=8, depth=3, topk=2)
     if temperature == 0:
@@ -36,7 +36,7 @@ def test_tree_decodes_losslessly(cfg_path, temperature):
 def test_tree_shape_follows_the_spec(cfg_path):
     """At most ``budget`` nodes, parents before children, at most ``topk`` children, no deeper than the spec or the
     head's own steps; q rows exactly when sampling."""
-    target, head = _perturbed(cfg_path)
+    target, head = perturbed(cfg_path)
     ids = PROMPTS[1]
     head.start(ids, target(ids[None]))
     for spec in (TreeSpec(budget=8, depth=3, topk=2), TreeSpec(budget=40, depth=20, topk=3)):
@@ -51,7 +51,7 @@ def test_tree_shape_follows_the_spec(cfg_path):
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
 def test_topk1_tree_is_the_chain(cfg_path):
-    target, head = _perturbed(cfg_path)
+    target, head = perturbed(cfg_path)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 128, (7,), generator=g)
     head.start(ids, target(ids[None]))
@@ -71,7 +71,7 @@ def test_topk1_tree_is_the_chain(cfg_path):
 def test_deep_tree_nodes_equal_the_training_forward(cfg_path, prompt_len):
     """Every level expanded with two parents at the deepest one (budget = the whole expansion): each node's
     children are the training forward's top tokens on the node's path; committing any path keeps it so."""
-    target, head = _perturbed(cfg_path)
+    target, head = perturbed(cfg_path)
     depth = min(4, max(2, head.num_steps))  # a head trained on one step (EAGLE-1) still drafts deeper: test two levels
     spec = TreeSpec(budget=2 + (depth - 1) * 4, depth=depth, topk=2)
     g = torch.Generator().manual_seed(prompt_len)
@@ -104,7 +104,7 @@ def test_packed_draft_decodes_losslessly(cfg_path, packing):
     bf16 packing; fused q/k/v and gate/up or not), drafts other logits in their last bits; greedy output still equals plain decoding, chain and tree."""
     from models.cpu_linear import PackedLinear, pack_fastest, pack_linears
 
-    target, head = _perturbed(cfg_path)
+    target, head = perturbed(cfg_path)
     n_linear = sum(type(m) is torch.nn.Linear for m in head.modules())
     if packing == "bfloat16":
         if not pack_linears(head, torch.bfloat16):
@@ -216,7 +216,7 @@ def test_head_with_lookup_decodes_losslessly(cfg_path):
     from eval.autok import AutoK
     from eval.baselines import LookupUnion, NGramDrafter
 
-    target, head = _perturbed(cfg_path)
+    target, head = perturbed(cfg_path)
     prompt = torch.cat([PROMPTS[1], PROMPTS[1], PROMPTS[1][:4]])
     dec = SpeculativeDecoder(target, eos_token_ids=[])
     want = plain_greedy(target.model, prompt, 17)

@@ -3,8 +3,9 @@ Heads", arXiv 2401.10774): K parallel heads on the target's last hidden state.
 
 Head k (0-based) is ``W2_k(h + SiLU(W1_k h))`` and predicts token t+2+k from the last hidden state h_t
 (the target's own head predicts t+1). ``W2_k`` starts as a copy of the target's ``lm_head``, ``W1_k`` at zero,
-so an untrained head k repeats the target's next-token guess. Loss ``Σ_k step_decay**k · CE`` on the data
-tokens (``soft=true``: against the target's distribution at t+1+k instead). Proposals chain each head's
+so an untrained head k repeats the target's next-token guess (``freeze_lm_head``: every head projects through the
+target's own head, frozen and shared, as EAGLE's drafts do, so its blocks learn the whole shift). Loss
+``Σ_k step_decay**k · CE`` on the data tokens (``soft=true``: against the target's distribution at t+1+k instead). Proposals chain each head's
 top-1 (or a sample at T>0), or grow a tree (:func:`models.heads.trees.grow_tree`) whose nodes at depth d all take
 their children from head d: the heads see neither the pending token nor the drafts, as in Medusa-1, so every
 node of a level has the same candidates (Medusa's tree of top-k products, here grown by path probability).
@@ -15,6 +16,13 @@ state and the embeddings (the target's own, frozen) of the pending token and the
 a first block ``P_k x + SiLU(W1_k x)`` with ``P_k`` [d, (k+2)d] starting as the identity on h (so the untrained head
 is Medusa's) and ``W1_k`` at zero. Training teacher-forces the data tokens; a tree node's children come from its
 own path. Medusa-1 heads guess token t+2 without the token t+1 the target just chose; Hydra's first head sees it.
+
+``prefix`` puts one decoder layer before the heads, which then read its output u_t in place of h_t: ``states`` is
+Hydra++'s prefix attention (causal self-attention over the target's states h_{<=t}, so a head sees more of the context
+than the state at t); ``tokens`` also gives each position the embedding of the token after it (``fc([h_s; E(x_{s+1})])``,
+EAGLE's input; ours, not Hydra's), so attention can look for that token earlier in the text. The layer's output
+projections start at zero (and ``fc`` as the identity on h): the untrained layer passes h through. Decoding keeps the
+layer's keys over the committed text and runs it once a round, over the rows committed since the last round.
 """
 from __future__ import annotations
 
@@ -28,7 +36,11 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
-from models.layers import frozen_embedding, lookahead_loss, shift_left
+from models.layers import (DecoderLayer, KVBuffer, Rotary, attention_shape, frozen_embedding, frozen_linear,
+                           lookahead_loss, shift_left)
+from models.target import rope_theta
+
+PREFIXES = (None, "states", "tokens")
 
 
 class ResBlock(nn.Module):
@@ -62,17 +74,56 @@ class GroundedBlock(nn.Module):
         return self.proj(x) + F.silu(self.linear(x))
 
 
+class PrefixLayer(nn.Module):
+    """Hydra++'s prefix attention: one target-shaped decoder layer over the target's states (``reads_token``: over
+    ``fc([h_s; E(x_{s+1})])``), its ``o_proj``/``down_proj`` at zero so that the untrained layer is the identity."""
+
+    def __init__(self, target: Any, reads_token: bool):
+        super().__init__()
+        tc = target.config
+        d = tc.hidden_size
+        n_heads, n_kv, head_dim = attention_shape(tc)
+        self.layer = DecoderLayer(d, n_heads, n_kv, tc.intermediate_size, head_dim, getattr(tc, "rms_norm_eps", 1e-6))
+        nn.init.zeros_(self.layer.self_attn.o_proj.weight)
+        nn.init.zeros_(self.layer.mlp.down_proj.weight)
+        self.rotary = Rotary(head_dim, rope_theta(tc))
+        if reads_token:
+            self.fc = nn.Linear(2 * d, d, bias=False)
+            with torch.no_grad():
+                self.fc.weight.zero_()
+                self.fc.weight[:, :d].copy_(torch.eye(d))
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor | None, past: KVBuffer | None = None) -> torch.Tensor:
+        """h [B, m, d] the target's states at m consecutive positions, e [B, m, d] the embeddings of the tokens after
+        them (read with ``reads_token``); past: the keys of the P positions before them (None: training, causal over
+        the m). Returns u [B, m, d]; with past, these positions' keys are added to it (the caller keeps or drops them)."""
+        x = self.fc(torch.cat([h, e], dim=-1)) if hasattr(self, "fc") else h  # [B, m, d]
+        P = past.n if past is not None else 0
+        cos, sin = self.rotary(range(P, P + x.shape[1]))
+        if past is None:
+            return self.layer(x, cos, sin)  # causal
+        blk = self.layer
+        q, k, v = blk.self_attn.qkv(blk.input_layernorm(x), cos, sin)  # [B, H, m, hd] each
+        keys, values = past.add(k, v)  # [B, H, P+m, hd]
+        m = q.shape[2]
+        mask = torch.ones(m, P + m, dtype=torch.bool, device=q.device).tril(P) if m > 1 else None
+        x = x + blk.self_attn.out(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
+        return x + blk.mlp(blk.post_attention_layernorm(x))
+
+
 class MedusaHead(DraftHead):
     family = "medusa"
     reads_taps = False  # the heads read the final-norm feature
     needs_teacher_logits = True  # accuracy is measured against the target's own top-1
 
     def __init__(self, target: Any, num_heads: int = 4, num_layers: int = 1, step_decay: float = 0.8, soft: bool = False,
-                 sequential: bool = False):
+                 sequential: bool = False, prefix: str | None = None, freeze_lm_head: bool = False):
         super().__init__(target, num_heads=num_heads, num_layers=num_layers, step_decay=step_decay, soft=soft,
-                         sequential=sequential)
+                         sequential=sequential, prefix=prefix, freeze_lm_head=freeze_lm_head)
         if num_heads < 1 or num_layers < 1:
             raise UserError(f"draft.num_heads={num_heads}, draft.num_layers={num_layers}: both must be >= 1")
+        if prefix not in PREFIXES:
+            raise UserError(f"draft.prefix={prefix!r}: one of null, states (Hydra++'s prefix attention), tokens")
         d, V = target.config.hidden_size, target.config.vocab_size
         w = target.lm_head().weight.data.float()
 
@@ -81,16 +132,25 @@ class MedusaHead(DraftHead):
             return nn.Sequential(first, *[ResBlock(d) for _ in range(num_layers - 1)])
 
         self.blocks = nn.ModuleList([block(k) for k in range(num_heads)])
-        self.heads = nn.ModuleList([nn.Linear(d, V, bias=False) for _ in range(num_heads)])
-        for h in self.heads:
-            h.weight.data.copy_(w)
+        if freeze_lm_head:  # every head projects through the target's own head, frozen (as EAGLE's do)
+            self.lm_head = frozen_linear(w)
+        else:
+            self.heads = nn.ModuleList([nn.Linear(d, V, bias=False) for _ in range(num_heads)])
+            for h in self.heads:
+                h.weight.data.copy_(w)
         self.step_decay, self.soft, self.sequential = step_decay, soft, sequential
-        if sequential:
+        if sequential or prefix == "tokens":
             self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
+        if prefix:
+            self.prefix = PrefixLayer(target, reads_token=prefix == "tokens")
 
     @property
     def num_steps(self) -> int:
-        return len(self.heads)
+        return len(self.blocks)
+
+    def out(self, k: int) -> nn.Linear:
+        """Head k's output layer: its own copy of the target's head, or the target's frozen one shared by all."""
+        return self.lm_head if hasattr(self, "lm_head") else self.heads[k]
 
     @property
     def max_draft(self) -> int:
@@ -104,14 +164,23 @@ class MedusaHead(DraftHead):
     def head_logits(self, k: int, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Head k's logits [..., V] from h [..., d] and, with ``sequential``, the tokens [..., k+1] it reads (the
         pending token and the k drafts before its own)."""
-        x = h.to(self.heads[0].weight.dtype)
+        x = h.to(self.out(0).weight.dtype)
         if self.sequential:
             e = self.embed_tokens(tokens).to(x.dtype)  # [..., k+1, d]
             x = torch.cat([x, e.flatten(-2)], dim=-1)  # [..., (k+2)·d]
-        return self.heads[k](self.blocks[k](x))
+        return self.out(k)(self.blocks[k](x))
+
+    def features(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """What the heads read at each position, [B, T, d]: the target's states h [B, T, d] (ids [B, T]), through the
+        prefix layer where there is one (position t reads token t+1 with ``prefix=tokens``)."""
+        h = h.to(self.out(0).weight.dtype)
+        if not hasattr(self, "prefix"):
+            return h
+        e = self.embed_tokens(shift_left(ids, 1)).to(h.dtype) if hasattr(self.prefix, "fc") else None
+        return self.prefix(h, e)
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
-        h = feats.last_state[0, at]  # [d]
+        h = self.features(feats.last_state, ids)[0, at]  # [d] (causal: later positions do not change it)
         return torch.stack([self.head_logits(k, h, ids[0, at + 1: at + 2 + k]) for k in range(steps)]).float()
 
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
@@ -121,9 +190,10 @@ class MedusaHead(DraftHead):
         K = self.num_steps
         loss = feats.last_state.new_zeros(())
         correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
-        h = feats.last_state.to(self.heads[0].weight.dtype)  # [B, T, d]
+        h = self.features(feats.last_state, ids)  # [B, T, d]
         x = h
-        for k, (block, head) in enumerate(zip(self.blocks, self.heads)):
+        for k, block in enumerate(self.blocks):
+            head = self.out(k)
             if self.sequential:  # position t reads E(x_{t+1+k}) too: x [B, T, (k+2)·d]
                 x = torch.cat([x, self.embed_tokens(shift_left(ids, 1 + k)).to(h.dtype)], dim=-1)
             lk, correct[k], total[k] = lookahead_loss(x, lambda z, b=block, o=head: o(b(z)), ids, loss_mask, valid,
@@ -132,18 +202,54 @@ class MedusaHead(DraftHead):
         return HeadOutput(loss=loss, correct=correct, total=total)
 
     # -- inference ------------------------------------------------------------------------------
+    # State: _hold [1, r, d] the target's states at committed positions the prefix layer has not cached yet (r >= 1:
+    # the last one predicted the pending token); _nxt [1, r-1] the tokens after all but the last of them; _kv the
+    # layer's keys over the positions before. ``propose`` runs the layer once over the r rows, the pending token
+    # after the last, and adds their keys; ``commit`` keeps them (the pending token is the target's own and stays),
+    # so a round costs one call of the layer. Without a prefix layer r = 1 and _hold is h_t.
     def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
-        self._h = feats.last_state[0, -1]  # [d] the state that predicted the pending token
+        self._hold = feats.last_state[:1].to(self.out(0).weight.dtype)  # [1, P, d]
+        self._nxt = prompt_ids.view(1, -1)[:, 1:].to(self._hold.device)  # [1, P-1]
+        self._proposed: int | None = None  # the pending token whose rows propose added to _kv
+        if hasattr(self, "prefix"):
+            self._kv = KVBuffer()
+        else:
+            self._hold = self._hold[:, -1:]
 
     def commit(self, tokens: torch.Tensor, feats: Any) -> None:
-        self._h = feats.last_state[0, -1]
+        """Accepted tokens ``[x, d_1..d_n]`` and their states."""
+        h = feats.last_state[:1].to(self._hold)  # [1, m, d]
+        tokens = tokens.view(1, -1).to(self._hold.device)
+        if not hasattr(self, "prefix"):
+            self._hold = h[:, -1:]
+        elif self._proposed == int(tokens[0, 0]):  # propose ran on the held rows with x: their keys stay
+            self._kv.keep()
+            self._hold, self._nxt = h, tokens[:, 1:]
+        else:  # no propose this round (another drafter drafted it): the rows wait for the next one
+            self._kv.keep(0)
+            self._hold, self._nxt = torch.cat([self._hold, h], 1), torch.cat([self._nxt, tokens], 1)
+        self._proposed = None
+
+    def _state(self, pending: int) -> torch.Tensor:
+        """What the heads read this round, [d]: the last held state, through the prefix layer (all held rows at once,
+        the pending token after the last; their keys added, kept by ``commit``)."""
+        if not hasattr(self, "prefix"):
+            return self._hold[0, -1]
+        self._kv.keep(0)  # a second propose of the same round recomputes the rows
+        e = None
+        if hasattr(self.prefix, "fc"):
+            nxt = torch.cat([self._nxt, self._nxt.new_tensor([[pending]])], 1)  # [1, r]
+            e = self.embed_tokens(nxt).to(self._hold.dtype)  # [1, r, d]
+        self._proposed = pending
+        return self.prefix(self._hold, e, self._kv)[0, -1]
 
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         tokens, probs = [], []
+        u = self._state(pending)  # [d]
         for j in range(min(k, self.num_steps)):
             read = torch.tensor([pending] + tokens) if self.sequential else None  # Medusa's heads read no tokens
-            t, q = draw(self.head_logits(j, self._h, read), sampler)
+            t, q = draw(self.head_logits(j, u, read), sampler)
             tokens.append(int(t))
             probs.append(q)
         return proposal(tokens, probs)
@@ -155,13 +261,14 @@ class MedusaHead(DraftHead):
         with the node's own path, one row per node)."""
         tree = self.within_reach(tree)
         root = torch.tensor([pending])
-        heads = self.logits(self._h, tree.depth) if not self.sequential else None  # Medusa: tree.depth × [V], once
+        u = self._state(pending)  # [d]
+        heads = self.logits(u, tree.depth) if not self.sequential else None  # Medusa: tree.depth × [V], once
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
             depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth
             if heads:
                 return heads[depth].expand(len(nodes), -1)  # [len(nodes), V]
             paths = torch.stack([torch.cat([root, tokens[path_to(n, parents)]]) for n in nodes])  # [n, depth+1]
-            return self.head_logits(depth, self._h.expand(len(nodes), -1), paths)  # [len(nodes), V]
+            return self.head_logits(depth, u.expand(len(nodes), -1), paths)  # [len(nodes), V]
 
-        return grow_tree(heads[0] if heads else self.head_logits(0, self._h, root), expand, tree, sampler)
+        return grow_tree(heads[0] if heads else self.head_logits(0, u, root), expand, tree, sampler)
