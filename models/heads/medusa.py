@@ -5,8 +5,8 @@ Head k (0-based) is ``W2_k(h + SiLU(W1_k h))`` and predicts token t+2+k from the
 (the target's own head predicts t+1). ``W2_k`` starts as a copy of the target's ``lm_head``, ``W1_k`` at zero,
 so an untrained head k repeats the target's next-token guess (``freeze_lm_head``: every head projects through the
 target's own head, frozen and shared, as EAGLE's drafts do, so its blocks learn the whole shift). Loss
-``Σ_k step_decay**k · CE`` on the data tokens (``soft=true``: against the target's distribution at t+1+k instead). Proposals chain each head's
-top-1 (or a sample at T>0), or grow a tree (:func:`models.heads.trees.grow_tree`) whose nodes at depth d all take
+``Σ_k step_decay**k · CE`` on the data tokens (``soft=true``: against the target's distribution at t+1+k instead).
+Proposals chain each head's top-1 (or a sample at T>0), or grow a tree (:func:`models.heads.trees.grow_tree`) whose nodes at depth d all take
 their children from head d: the heads see neither the pending token nor the drafts, as in Medusa-1, so every
 node of a level has the same candidates (Medusa's tree of top-k products, here grown by path probability).
 
