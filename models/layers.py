@@ -216,9 +216,10 @@ class KVBuffer:
         return None if self._k is None else (self._k[:, :, : self.n], self._v[:, :, : self.n])
 
 
-def causal_mask(T: int, device=None) -> torch.Tensor:
-    """Boolean [T, T], True where query i may attend key j (j <= i)."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+def causal_mask(T: int, device=None, past: int = 0) -> torch.Tensor:
+    """Boolean [T, past + T], True where query i (the i-th of T new positions after ``past`` cached ones) may attend
+    key j: every cached key and the new ones up to its own (j <= past + i)."""
+    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)
 
 
 def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:

@@ -67,7 +67,7 @@ from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
 from models.heads.vocab import build_draft_vocab, choose, draft_ids
-from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm,
+from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, causal_mask, copy_final_norm,
                            feature_regression, frozen_embedding, frozen_linear, lookahead_loss, loss_weight, shift_left)
 from models.target import rope_theta
 
@@ -114,7 +114,7 @@ class MTPModule(nn.Module):
                     return x, k, v
             if mask is None and m > 1:  # one row sees every key: no mask
                 P = keys.shape[2] - m
-                mask = torch.ones(m, P + m, dtype=torch.bool, device=q.device).tril(P)  # causal, after all past keys
+                mask = causal_mask(m, q.device, past=P)  # causal, after all past keys
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         x = x + blk.self_attn.out(o)
         x = x + blk.mlp(blk.post_attention_layernorm(x))
