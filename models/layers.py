@@ -172,6 +172,27 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: "KVBuffer",
+               mask: torch.Tensor | None = None, tail: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoding step: x [B, m, d] at the m positions after ``past``'s P keys, to which theirs are added (the
+        caller keeps or drops them). ``mask`` bool [m, P+m] (default: causal after all past keys); ``tail``: only the
+        last ``tail`` rows' outputs are wanted, the others are only keyed. Returns the output [B, m (or tail), d] and
+        these positions' k, v [B, H, m, hd]."""
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)  # [B, H, m, hd] each
+        keys, values = past.add(k, v)  # [B, H, P+m, hd]
+        m = q.shape[2]
+        if tail is not None and tail < m:  # the other rows' keys are added; their outputs are not computed
+            if mask is not None:
+                raise ValueError("DecoderLayer.cached: tail needs the default causal mask")
+            q, x, m = q[:, :, m - tail:], x[:, m - tail:], tail
+            if m == 0:
+                return x, k, v
+        if mask is None and m > 1:  # one row sees every key: no mask
+            mask = causal_mask(m, q.device, past=keys.shape[2] - m)
+        x = x + self.self_attn.out(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
 
 class KVBuffer:
     """A draft's keys and values [B, H, n, hd] over its context, in buffers grown by doubling.

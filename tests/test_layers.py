@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import (_RowCE, KVBuffer, RMSNorm, Rotary, apply_rotary, causal_mask, expected_acceptance_length, lookahead_loss, row_ce, soft_ce,
+from models.layers import (_RowCE, DecoderLayer, KVBuffer, RMSNorm, Rotary, apply_rotary, causal_mask, expected_acceptance_length, lookahead_loss, row_ce, soft_ce,
                            ttt_attention, ttt_mask)
 
 
@@ -156,3 +156,33 @@ def test_kv_buffer_holds_what_concatenation_would():
     assert buf.n > 64
     buf.crop(5)
     assert torch.equal(buf.kept()[0], ref_k[:, :, :5])
+
+
+def test_decoder_layer_cached_steps_equal_its_causal_forward():
+    """Chunks of rows stepped through ``DecoderLayer.cached`` over a KVBuffer give the causal forward's rows; ``tail``
+    keys every row but returns only the last ones; an explicit mask is used as given."""
+    torch.manual_seed(0)
+    layer = DecoderLayer(16, 4, 2, 32).eval()
+    rot = Rotary(4)
+    x = torch.randn(1, 9, 16)
+    with torch.no_grad():
+        full = layer(x, *rot(range(9)))  # [1, 9, 16]
+        buf, outs = KVBuffer(), []
+        for a, b in [(0, 3), (3, 4), (4, 9)]:
+            out, k, v = layer.cached(x[:, a:b], *rot(range(a, b)), buf)
+            assert k.shape == (1, 4, b - a, 4) and v.shape == k.shape
+            buf.keep()
+            outs.append(out)
+        assert torch.allclose(torch.cat(outs, 1), full, atol=1e-5)
+        buf.crop(4)
+        out, _, _ = layer.cached(x[:, 4:9], *rot(range(4, 9)), buf, tail=2)
+        assert out.shape == (1, 2, 16) and torch.allclose(out, full[:, 7:], atol=1e-5)
+        assert buf.added == 5  # every row keyed
+        buf.crop(4)
+        none = torch.zeros(5, 9, dtype=torch.bool)
+        none[:, 0] = True  # each row sees only position 0: not the causal result
+        out, _, _ = layer.cached(x[:, 4:9], *rot(range(4, 9)), buf, mask=none)
+        assert not torch.allclose(out, full[:, 4:], atol=1e-3)
+        buf.crop(4)
+        with pytest.raises(ValueError, match="tail"):
+            layer.cached(x[:, 4:9], *rot(range(4, 9)), buf, mask=none, tail=2)

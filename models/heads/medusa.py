@@ -36,7 +36,7 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
-from models.layers import (DecoderLayer, KVBuffer, Rotary, attention_shape, causal_mask, frozen_embedding,
+from models.layers import (DecoderLayer, KVBuffer, Rotary, attention_shape, frozen_embedding,
                            frozen_linear, lookahead_loss, shift_left)
 from models.target import rope_theta
 
@@ -102,13 +102,7 @@ class PrefixLayer(nn.Module):
         cos, sin = self.rotary(range(P, P + x.shape[1]))
         if past is None:
             return self.layer(x, cos, sin)  # causal
-        blk = self.layer
-        q, k, v = blk.self_attn.qkv(blk.input_layernorm(x), cos, sin)  # [B, H, m, hd] each
-        keys, values = past.add(k, v)  # [B, H, P+m, hd]
-        m = q.shape[2]
-        mask = causal_mask(m, q.device, past=P) if m > 1 else None
-        x = x + blk.self_attn.out(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
-        return x + blk.mlp(blk.post_attention_layernorm(x))
+        return self.layer.cached(x, cos, sin, past)[0]
 
 
 class MedusaHead(DraftHead):

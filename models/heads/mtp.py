@@ -59,7 +59,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from data.errors import UserError
@@ -67,7 +66,7 @@ from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
 from models.heads.vocab import build_draft_vocab, choose, draft_ids
-from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, causal_mask, copy_final_norm,
+from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm,
                            feature_regression, frozen_embedding, frozen_linear, lookahead_loss, loss_weight, shift_left)
 from models.target import rope_theta
 
@@ -90,34 +89,20 @@ class MTPModule(nn.Module):
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past: KVBuffer | None = None, mask: torch.Tensor | None = None,
-                tail: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                tail: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """h_prev, emb [B, m, d] at m consecutive positions; past: the keys of the P positions before them, to which
         these positions' keys are added (the caller keeps what it wants of them; None: training, plain causal over
         the m positions); ``mask`` bool [m, P+m] (with past; default: causal after all past keys; a draft tree packs
         several paths' rows into one block); ``tail`` (with past, default mask): only the last ``tail`` rows' outputs
         are wanted, so the others are only keyed (the deepest depth of a round, whose other rows no depth reads).
         Returns the output [B, m (or tail), d] handed to the next depth (pre-norm, or normed with ``norm_output``) and
-        these positions' k, v [B, H, m, hd]."""
+        these positions' k, v [B, H, m, hd] (None in training)."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h_prev)], dim=-1))  # [B, m, d]
-        blk = self.block
-        q, k, v = blk.self_attn.qkv(blk.input_layernorm(x), cos, sin)
+        k = v = None
         if past is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = self.block(x, cos, sin)  # causal over the m positions
         else:
-            keys, values = past.add(k, v)  # [B, H, P+m, hd]
-            m = q.shape[2]
-            if tail is not None and tail < m:  # the other rows' keys are added; their outputs are not computed
-                if mask is not None:
-                    raise ValueError("MTPModule: tail needs the default causal mask")
-                q, x, m = q[:, :, m - tail:], x[:, m - tail:], tail
-                if m == 0:
-                    return x, k, v
-            if mask is None and m > 1:  # one row sees every key: no mask
-                P = keys.shape[2] - m
-                mask = causal_mask(m, q.device, past=P)  # causal, after all past keys
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        x = x + blk.self_attn.out(o)
-        x = x + blk.mlp(blk.post_attention_layernorm(x))
+            x, k, v = self.block.cached(x, cos, sin, past, mask, tail)
         return (self.norm(x) if self.norm_output else x), k, v
 
     def head_input(self, h: torch.Tensor) -> torch.Tensor:
