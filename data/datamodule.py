@@ -6,6 +6,7 @@ inside the training step. Offline: batches also hold ``tap_states`` [B, T, n_tap
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import lightning as L
@@ -45,7 +46,11 @@ class DraftDataModule(L.LightningDataModule):
                  truncation: str = "turn", max_conversations: int | None = None, val_conversations: int | None = 64,
                  batch_size: int = 4, num_workers: int = 0, num_proc: int = 1, tokenizer: str = "embedded",
                  features: str = "online", feature_dir: str | list[str] | None = None,
-                 val_feature_dir: str | list[str] | None = None, seed: int = 0):
+                 val_feature_dir: str | list[str] | None = None, seed: int = 0, make: dict | None = None):
+        """``make``: how the file ``make["file"]`` is made where ``source`` names it (alone or in a list) and it is
+        missing: the other keys are ``python -m data.regenerate``'s (the target's own answers;
+        :func:`data.regenerate.make_source`), e.g. ``conf/data/embedded_sampled.yaml``. Any other missing file is an
+        error, so a mistyped ``data.source`` never starts a regeneration."""
         super().__init__()
         if features not in ("online", "offline"):
             raise UserError(f"features={features!r}: use online or offline")
@@ -58,6 +63,7 @@ class DraftDataModule(L.LightningDataModule):
         # offline: train on the train splits of one or several caches, validate on the held-out splits of
         # val_feature_dir (default: the same caches), e.g. original text for training, the target's own for validation
         self.feature_dirs, self.val_feature_dirs = cache_dirs(feature_dir), cache_dirs(val_feature_dir)
+        self.make = dict(make) if make else None
         self._train = self._val = None
         self._tok = None
         self.expect_identity: dict | None = None  # set by the trainer entry point: the target the cache must match
@@ -74,9 +80,28 @@ class DraftDataModule(L.LightningDataModule):
         """The tokenised split (``train`` or ``heldout``) as a ``datasets.Dataset`` (Arrow-cached)."""
         from data.prepare import tokenize_split
 
+        self.make_source()
         limit = self.max_conversations if name == "train" else self.val_conversations
         return tokenize_split(self.tokenizer, self.source, name, self.heldout_fraction, self.max_length,
                               self.truncation, limit, self.num_proc, verbose=False)
+
+    def make_source(self) -> None:
+        """Regenerate ``make["file"]`` first if ``source`` names it and it is missing (once, on one process)."""
+        if not self.make:
+            return
+        settings = dict(self.make)
+        file = settings.pop("file", None)
+        if not file:
+            raise UserError("data.make: give file, the path it makes (the source it stands for), with data.regenerate's keys")
+        sources = [self.source] if isinstance(self.source, (str, Path)) else list(self.source)
+        if Path(file).exists() or not any(Path(str(s)) == Path(file) for s in sources):
+            return
+        from data.regenerate import make_source
+
+        if int(os.environ.get("LOCAL_RANK", "0")) or int(os.environ.get("NODE_RANK", "0")):
+            raise UserError(f"data.source: {file} is missing; make it on one process first (python -m train "
+                            "on one device, or python -m data.regenerate with data.make's keys)")
+        make_source(file, settings)
 
     def token_counts(self) -> torch.Tensor:
         """Counts [V] of loss-masked tokens in the training split (draft vocabularies are built from these); with

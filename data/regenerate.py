@@ -9,7 +9,9 @@ Drafters learn best from the target's own outputs (DFlash, EAGLE-3). Turn by tur
 kept and each assistant turn is replaced by the target's answer to the conversation so far (which
 already holds its earlier answers). Generation is batched (left padding). Results go to JSONL shards
 ``out_dir/shard-XXXXX.jsonl`` (our ``{"id", "messages"}`` schema, readable as ``data.source``); each
-shard is written to a temp file and renamed, and a rerun skips ids already in finished shards.
+shard is written to a temp file and renamed, and a rerun skips ids already in finished shards. A data config's
+``make:`` (``conf/data/embedded_regen.yaml``) has the first training run that reads a missing set make it
+(:func:`make_source`: these shards, then one file).
 """
 from __future__ import annotations
 
@@ -89,9 +91,65 @@ def regenerate_conversations(model, tokenizer, convs: list[dict], max_new_tokens
     return [{"id": c["id"], "messages": r} for c, r in zip(convs, results) if any(m["role"] == "assistant" for m in r)]
 
 
+def override_value(v) -> str:
+    """A Python value as Hydra's override grammar writes it (None → null, True → true, lists in brackets)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(override_value(x) for x in v) + "]"
+    return str(v)
+
+
+def flat(settings: dict, prefix: str = "") -> dict:
+    """Nested keys → dotted ones: ``{"data": {"max_conversations": 9}}`` → ``{"data.max_conversations": 9}``."""
+    out: dict = {}
+    for k, v in settings.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def make_source(source: str | Path, settings: dict) -> None:
+    """Write the conversation file ``source`` (JSONL) with the target's answers: ``python -m data.regenerate`` under
+    ``settings`` (its config keys, e.g. ``{"target": "embedded", "temperature": 1}``; ``out_dir``, where the shards
+    go, defaults to ``source`` without its suffix), then the shards joined into ``source``, which is written whole
+    or not at all. Resumable as the command is: a rerun skips the shards already written."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    source = Path(source)
+    settings = {"out_dir": str(source.with_suffix("")), **settings}
+    overrides = [f"{k}={override_value(v)}" for k, v in flat(settings).items()]
+    print(f"{source}: missing; making it: python -m data.regenerate {' '.join(overrides)} "
+          "(resumable: an interrupted run continues where it stopped)", flush=True)
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app (python -m train): its config search path
+        cfg = compose("regenerate", overrides=overrides)
+    else:
+        with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+            cfg = compose("regenerate", overrides=overrides)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state (a training run's seed) as it was
+        out_dir = run(cfg)
+    shards = sorted(out_dir.glob("shard-*.jsonl"))
+    if not shards:
+        raise UserError(f"{source}: data.regenerate wrote no answers to {out_dir} (no prompt left after its filters)")
+    with atomic_file(source) as f:
+        for shard in shards:
+            f.write(shard.read_text(encoding="utf-8"))
+    print(f"{source}: {sum(1 for _ in open(source, encoding='utf-8'))} conversations from {len(shards)} shards")
+
+
 @hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
 @cli
 def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+def run(cfg: DictConfig) -> Path:
+    """Regenerate into ``cfg.out_dir`` (shards; finished ids skipped) → that directory."""
     from transformers import AutoModelForCausalLM
 
     from models.target import load_tokenizer, resolve_device, resolve_dtype, resolve_path
@@ -134,6 +192,7 @@ def main(cfg: DictConfig) -> None:
                 f.write(json.dumps(c, ensure_ascii=False) + "\n")
         n_shards += 1
         print(f"shard {n_shards - 1}: {len(part)} conversations ({s + len(part)}/{len(todo)})")
+    return out_dir
 
 
 if __name__ == "__main__":
