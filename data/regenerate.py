@@ -139,7 +139,7 @@ def make_source(source: str | Path, settings: dict) -> None:
     with atomic_file(source) as f:
         for shard in shards:
             f.write(shard.read_text(encoding="utf-8"))
-    print(f"{source}: {sum(1 for _ in open(source, encoding='utf-8'))} conversations from {len(shards)} shards")
+    print(f"{source}: {sum(1 for _ in open(source, encoding='utf-8'))} conversations from {len(shards)} shard(s)")
 
 
 @hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
