@@ -285,17 +285,21 @@ def shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
 
 class _RowCE(torch.autograd.Function):
     """Cross-entropy of each row of logits z [N, V] against a data token or a distribution, −Σ_v p log softmax(z),
-    with its gradient softmax(z) − p computed in the forward pass, a few rows at a time. On a CPU each full-size
-    temporary of autograd's version (log-softmax, the target's softmax, products, their backward buffers) costs a
-    pass through memory and fresh pages; chunks of about 1 MB stay in cache and only the gradient is full size."""
+    plus ``tv`` × the total variation ½Σ_v |q − p| (q = softmax(z)), with the gradient computed in the forward
+    pass, a few rows at a time. On a CPU each full-size temporary of autograd's version (log-softmax, the target's
+    softmax, products, their backward buffers) costs a pass through memory and fresh pages; chunks of about 1 MB
+    stay in cache and only the gradient is full size. The second output, the total variation [N] (1 − q[label]
+    against a data token), is not differentiable: 1 − TV = Σ_v min(p, q) is the chance that exact rejection
+    sampling at T=1 accepts a token drawn from q (Leviathan et al., arXiv 2211.17192), the quantity DistillSpec
+    (arXiv 2310.08461) trains with a total-variation loss."""
 
     CHUNK_BYTES = 1 << 20
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, labels: torch.Tensor | None, teacher: torch.Tensor | None,
-                rows: torch.Tensor | None, teacher_is_probs: bool) -> torch.Tensor:
+                rows: torch.Tensor | None, teacher_is_probs: bool, tv: float) -> tuple[torch.Tensor, torch.Tensor]:
         N, V = z.shape
-        loss, grad = z.new_empty(N), torch.empty_like(z)
+        loss, grad, tvd = z.new_empty(N), torch.empty_like(z), z.new_empty(N)
         c = max(1, _RowCE.CHUNK_BYTES // (4 * V))
         for s in range(0, N, c):
             e = min(N, s + c)
@@ -304,32 +308,48 @@ class _RowCE(torch.autograd.Function):
             if labels is not None:
                 lab = labels[s:e, None]
                 loss[s:e] = -log_q.gather(1, lab)[:, 0]
-                g.scatter_add_(1, lab, torch.full_like(lab, -1.0, dtype=g.dtype))  # − one-hot
+                q_y = g.gather(1, lab)  # [c, 1]
+                tvd[s:e] = 1 - q_y[:, 0]
+                if tv:  # d(1 − q_y)/dz = −q_y (onehot − q)
+                    loss[s:e] += tv * tvd[s:e]
+                    g.mul_(1 + tv * q_y)
+                g.scatter_add_(1, lab, (-1.0 - tv * q_y).to(g.dtype))  # − one-hot (× 1 + tv·q_y)
             else:
                 t = teacher[s:e] if rows is None else teacher[rows[s:e]]
                 p = t.float() if teacher_is_probs else torch.softmax(t.float(), -1)  # [c, V]
                 loss[s:e] = -torch.linalg.vecdot(p, log_q)  # (a batched product is slow for rows this small)
+                sign = torch.sign(g - p)  # [c, V]
+                tvd[s:e] = 0.5 * torch.linalg.vecdot(sign, g - p)
+                if tv:  # d TV/dz = ½ q ⊙ (s − Σ_v s q), s = sign(q − p)
+                    loss[s:e] += tv * tvd[s:e]
+                    sign.sub_(torch.linalg.vecdot(sign, g)[:, None]).mul_(0.5 * tv)
+                    g.addcmul_(g, sign)  # q + tv·½ q ⊙ (s − Σ s q)
                 g.sub_(p)
         ctx.save_for_backward(grad)
-        return loss
+        ctx.mark_non_differentiable(tvd)
+        return loss, tvd
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx, g: torch.Tensor, _g_tv: torch.Tensor | None = None):
         if getattr(ctx, "spent", False):
             raise RuntimeError("row_ce: a second backward through the same graph (retain_graph) is not supported")
         ctx.spent = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(g[:, None]), None, None, None, None  # the buffer is this call's own: scaled in place, once
+        return grad.mul_(g[:, None]), None, None, None, None, None  # the buffer is this call's own: scaled in place, once
 
 
 def row_ce(z: torch.Tensor, labels: torch.Tensor | None = None, teacher: torch.Tensor | None = None,
-           rows: torch.Tensor | None = None, teacher_is_probs: bool = False) -> torch.Tensor:
+           rows: torch.Tensor | None = None, teacher_is_probs: bool = False, tv: float = 0.0,
+           return_tv: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy [N] of logits z [N, V] (differentiable in z only): against the data tokens ``labels``
     [N], or against the target's distribution for each row, ``teacher`` [R, V] (logits, or probabilities with
-    ``teacher_is_probs``) at row ``rows`` [N] of it (default: row n for row n)."""
+    ``teacher_is_probs``) at row ``rows`` [N] of it (default: row n for row n). ``tv`` > 0 adds that weight of the
+    total variation ½Σ|q − p| to each row's loss; ``return_tv`` also returns the total variation [N] (not
+    differentiable; 1 − it is the T=1 acceptance chance of a token drawn from the head)."""
     if (labels is None) == (teacher is None):
         raise ValueError("row_ce: give exactly one of labels and teacher")
-    return _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs)
+    loss, tvd = _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs, float(tv))
+    return (loss, tvd) if return_tv else loss
 
 
 def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
@@ -340,12 +360,14 @@ def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
 
 
 def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
-                   teacher_top: torch.Tensor, ahead: int, teacher_logits: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   teacher_top: torch.Tensor, ahead: int, teacher_logits: torch.Tensor | None = None, tv: float = 0.0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss of the logits ``project(hidden)`` that predict token t+1+ahead at position t (Medusa head k, MTP
     depth k+1: ahead = k+1), weighted by that token's loss mask: hard CE on the data token or, given the target's
     logits [B, T, V], soft CE against its distribution for that token (at t+ahead). Also the top-1 agreement with
-    the target's own guess there (``teacher_top`` [B, T]). Returns (loss, correct, total).
+    the target's own guess there (``teacher_top`` [B, T]); ``tv``: weight of :func:`row_ce`'s total-variation term.
+    Returns (loss, correct, total, accepted): accepted sums Σ_v min(p, q) over the scored positions (the T=1
+    acceptance; against a data token, q of that token).
 
     hidden [B, T, d]; ``project`` maps [N, d] → [N, V]. Only the scored positions (weight > 0, about 60% of a
     padded chat batch) are projected, so the vocabulary product, the loss and their backward skip the rest."""
@@ -355,14 +377,14 @@ def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: 
     b, t = w.nonzero(as_tuple=True)  # the N scored positions
     z = project(hidden[b, t])  # [N, V]
     if teacher_logits is not None:
-        loss = row_ce(z, teacher=teacher_logits.reshape(B * T, -1), rows=b * T + t + ahead)  # [N]
+        loss, tvd = row_ce(z, teacher=teacher_logits.reshape(B * T, -1), rows=b * T + t + ahead, tv=tv, return_tv=True)
     else:
-        loss = row_ce(z, labels=ids[b, t + n])  # [N]
+        loss, tvd = row_ce(z, labels=ids[b, t + n], tv=tv, return_tv=True)  # [N], [N]
     wn = w[b, t]
     loss = (loss * wn).sum() / wn.sum().clamp_min(1.0)
     with torch.no_grad():
         hit = z.argmax(-1) == teacher_top[b, t + ahead]
-    return loss, hit.sum().float(), wn.new_tensor(float(b.numel()))
+    return loss, hit.sum().float(), wn.new_tensor(float(b.numel())), (1 - tvd).sum()
 
 
 def loss_weight(value, field: str) -> float:

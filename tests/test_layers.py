@@ -107,6 +107,36 @@ def test_row_ce_equals_cross_entropy_against_tokens_and_against_the_targets_rows
         loss.backward()
 
 
+@pytest.mark.parametrize("chunk_bytes", [4 * 11 * 3, 1 << 20])
+@pytest.mark.parametrize("tv", [0.0, 0.7])
+def test_row_ce_total_variation_term_and_the_acceptance_it_returns_match_autograd(monkeypatch, chunk_bytes, tv):
+    """CE + tv · ½Σ|q − p| (1 − q[label] against a token), its gradient, and the returned total variation, whose
+    complement Σ min(p, q) is the T=1 acceptance chance, all against autograd's version of the definition."""
+    monkeypatch.setattr(_RowCE, "CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(3)
+    z, teacher = torch.randn(10, 11, generator=g) * 2, torch.randn(6, 11, generator=g) * 2
+    labels, rows, w = torch.randint(0, 11, (10,), generator=g), torch.randint(0, 6, (10,), generator=g), torch.rand(10, generator=g)
+    p = torch.softmax(teacher[rows], -1)
+
+    def ref_soft(x):
+        q = torch.softmax(x, -1)
+        return -(p * torch.log_softmax(x, -1)).sum(-1) + tv * 0.5 * (q - p).abs().sum(-1), 1 - torch.minimum(p, q).sum(-1)
+
+    def ref_hard(x):
+        q_y = torch.softmax(x, -1).gather(1, labels[:, None])[:, 0]
+        return F.cross_entropy(x, labels, reduction="none") + tv * (1 - q_y), 1 - q_y
+
+    for ours, ref in ((lambda x: row_ce(x, teacher=teacher, rows=rows, tv=tv, return_tv=True), ref_soft),
+                      (lambda x: row_ce(x, labels=labels, tv=tv, return_tv=True), ref_hard)):
+        z1, z2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        (l1, tv1), (l2, tv2) = ours(z1), ref(z2)
+        torch.testing.assert_close(l1, l2)
+        torch.testing.assert_close(tv1, tv2.detach())
+        (l1 * w).sum().backward()
+        (l2 * w).sum().backward()
+        torch.testing.assert_close(z1.grad, z2.grad)
+
+
 def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
     """Against the definition, position by position: hard CE on ids[t+1+ahead], soft CE against the teacher's
     distribution at t+ahead, weighted by the loss mask of the predicted token; agreement with the teacher's top-1 there."""
@@ -118,7 +148,7 @@ def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
     valid = torch.ones(B, T, dtype=torch.long)
     valid[1, 7:] = 0
     top, probs = teacher.argmax(-1), torch.softmax(teacher, -1)
-    hard_sum, soft_sum, wsum, hits, n = 0.0, 0.0, 0.0, 0, 0
+    hard_sum, soft_sum, wsum, hits, n, kept = 0.0, 0.0, 0.0, 0, 0, 0.0
     for b in range(B):
         for t in range(T - 1 - ahead):
             w = float(loss_mask[b, t + 1 + ahead] * valid[b, t + 1 + ahead])
@@ -127,10 +157,12 @@ def test_lookahead_loss_scores_token_t_plus_1_plus_ahead_at_position_t():
             wsum += w
             hits += int(w > 0 and int(logits[b, t].argmax()) == int(top[b, t + ahead]))
             n += int(w > 0)
+            kept += float(w > 0) * float(torch.minimum(probs[b, t + ahead], torch.softmax(logits[b, t], -1)).sum())
     hard = lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead)
     soft = lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead, teacher)
     assert abs(float(hard[0]) - hard_sum / wsum) < 1e-5 and abs(float(soft[0]) - soft_sum / wsum) < 1e-5
     assert float(hard[1]) == float(soft[1]) == hits and float(hard[2]) == n
+    assert abs(float(soft[3]) - kept) < 1e-4  # Σ min(p, q) over the scored positions: the T=1 acceptance
     sure = 80.0 * F.one_hot(torch.cat([ids[:, 1:], ids[:, :1]], 1), V).float()  # a teacher certain of the data's next token
     assert torch.allclose(lookahead_loss(logits, lambda x: x, ids, loss_mask, valid, top, ahead, sure)[0], hard[0], atol=1e-5)
 

@@ -3,7 +3,8 @@
 The head owns its forward and loss (:class:`models.heads.base.DraftHead`); this module owns AdamW, the
 warm-up + cosine schedule (over steps, or over a time budget's seconds), the frozen target, and the validation metrics: per-step top-1 accuracy
 ``acc_j`` (step j = the j-th drafted token) and the expected acceptance length
-``1 + Σ_k Π_{j<=k} acc_j`` (``val/acc_len``), on which checkpoints are selected.
+``1 + Σ_k Π_{j<=k} acc_j`` (``val/acc_len``), on which checkpoints are selected; for heads trained against the
+target's distribution also the T=1 acceptance ``accept_t1_j`` (mean Σ_v min(p, q)) and its ``val/acc_len_t1``.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class DraftModule(L.LightningModule):
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_ratio, self.min_lr_ratio = warmup_ratio, min_lr_ratio
         self.strict_loading = False  # checkpoints leave out the frozen target
-        self._val_correct = self._val_total = None
+        self._val_correct = self._val_total = self._val_accepted = None
         self._time_before, self._t0 = 0.0, None  # training wall time of earlier (resumed) runs, start of this one
         self.train_tokens = 0  # non-padding tokens seen by training steps (this rank), kept in checkpoints
         self.loaded_val_metrics: dict[str, float] = {}  # the last validation's val/* of the checkpoint resumed from
@@ -78,6 +79,8 @@ class DraftModule(L.LightningModule):
         acc = out.correct / out.total.clamp_min(1)
         self.log("train/loss", out.loss, prog_bar=True)
         self.log("train/acc_len", expected_acceptance_length(acc), prog_bar=True)
+        if out.accepted is not None:
+            self.log("train/acc_len_t1", expected_acceptance_length(out.accepted / out.total.clamp_min(1)))
         n = int(batch["attention_mask"].sum())
         self.train_tokens += n
         self.log("train/tokens", float(n), reduce_fx="sum")
@@ -86,7 +89,7 @@ class DraftModule(L.LightningModule):
         return out.loss
 
     def on_validation_epoch_start(self) -> None:
-        self._val_correct = self._val_total = None
+        self._val_correct = self._val_total = self._val_accepted = None
 
     def validation_step(self, batch: dict[str, torch.Tensor], _: int) -> None:
         out = self._step(batch)
@@ -94,6 +97,9 @@ class DraftModule(L.LightningModule):
         c, t = out.correct.detach(), out.total.detach()
         self._val_correct = c if self._val_correct is None else self._val_correct + c
         self._val_total = t if self._val_total is None else self._val_total + t
+        if out.accepted is not None:
+            a = out.accepted.detach()
+            self._val_accepted = a if self._val_accepted is None else self._val_accepted + a
 
     def on_validation_epoch_end(self) -> None:
         if self._val_correct is None:
@@ -105,6 +111,14 @@ class DraftModule(L.LightningModule):
         for j, a in enumerate(acc.tolist()):
             self.log(f"val/acc_{j}", a, sync_dist=False)
         self.log("val/acc_len", expected_acceptance_length(acc), prog_bar=True, sync_dist=False)
+        if self._val_accepted is not None:  # T=1: the chance exact rejection sampling keeps step j's sampled token
+            a = self._val_accepted
+            if self.trainer.world_size > 1:
+                a = self.all_gather(a).sum(0)
+            acc1 = a / t.clamp_min(1)
+            for j, x in enumerate(acc1.tolist()):
+                self.log(f"val/accept_t1_{j}", x, sync_dist=False)
+            self.log("val/acc_len_t1", expected_acceptance_length(acc1), sync_dist=False)
 
     # -- optimisation ---------------------------------------------------------------------------
     def configure_optimizers(self):

@@ -37,7 +37,7 @@ from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
 from models.layers import (DecoderLayer, KVBuffer, Rotary, attention_shape, frozen_embedding,
-                           frozen_linear, lookahead_loss, shift_left)
+                           frozen_linear, lookahead_loss, loss_weight, shift_left)
 from models.target import rope_theta
 
 PREFIXES = (None, "states", "tokens")
@@ -111,9 +111,9 @@ class MedusaHead(DraftHead):
     needs_teacher_logits = True  # accuracy is measured against the target's own top-1
 
     def __init__(self, target: Any, num_heads: int = 4, num_layers: int = 1, step_decay: float = 0.8, soft: bool = False,
-                 sequential: bool = False, prefix: str | None = None, freeze_lm_head: bool = False):
+                 sequential: bool = False, prefix: str | None = None, freeze_lm_head: bool = False, tv_weight: float = 0.0):
         super().__init__(target, num_heads=num_heads, num_layers=num_layers, step_decay=step_decay, soft=soft,
-                         sequential=sequential, prefix=prefix, freeze_lm_head=freeze_lm_head)
+                         sequential=sequential, prefix=prefix, freeze_lm_head=freeze_lm_head, tv_weight=tv_weight)
         if num_heads < 1 or num_layers < 1:
             raise UserError(f"draft.num_heads={num_heads}, draft.num_layers={num_layers}: both must be >= 1")
         if prefix not in PREFIXES:
@@ -133,6 +133,7 @@ class MedusaHead(DraftHead):
             for h in self.heads:
                 h.weight.data.copy_(w)
         self.step_decay, self.soft, self.sequential = step_decay, soft, sequential
+        self.tv_weight = loss_weight(tv_weight, "draft.tv_weight")
         if sequential or prefix == "tokens":
             self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
         if prefix:
@@ -183,17 +184,18 @@ class MedusaHead(DraftHead):
         t_top = feats.logits.argmax(-1)  # [B, T]
         K = self.num_steps
         loss = feats.last_state.new_zeros(())
-        correct, total = torch.zeros(K, device=ids.device), torch.zeros(K, device=ids.device)
+        correct, total, accepted = (torch.zeros(K, device=ids.device) for _ in range(3))
         h = self.features(feats.last_state, ids)  # [B, T, d]
         x = h
         for k, block in enumerate(self.blocks):
             head = self.out(k)
             if self.sequential:  # position t reads E(x_{t+1+k}) too: x [B, T, (k+2)·d]
                 x = torch.cat([x, self.embed_tokens(shift_left(ids, 1 + k)).to(h.dtype)], dim=-1)
-            lk, correct[k], total[k] = lookahead_loss(x, lambda z, b=block, o=head: o(b(z)), ids, loss_mask, valid,
-                                                      t_top, 1 + k, feats.logits if self.soft else None)
+            lk, correct[k], total[k], accepted[k] = lookahead_loss(
+                x, lambda z, b=block, o=head: o(b(z)), ids, loss_mask, valid, t_top, 1 + k,
+                feats.logits if self.soft else None, self.tv_weight)
             loss = loss + self.step_decay ** k * lk  # head k learns token t+2+k
-        return HeadOutput(loss=loss, correct=correct, total=total)
+        return HeadOutput(loss=loss, correct=correct, total=total, accepted=accepted if self.soft else None)
 
     # -- inference ------------------------------------------------------------------------------
     # State: _hold [1, r, d] the target's states at committed positions the prefix layer has not cached yet (r >= 1:
