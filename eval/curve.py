@@ -16,7 +16,8 @@ time (``time_budget_s``, summed over resumes); ``fixed`` runs the schedule of th
 with ``stop_at_s``, ``raise`` stretches ``time_budget_s`` to each point. A finished point (``points/<steps>.json``) is not
 trained or evaluated again. Validation expected acceptance length (``val/acc_len``) is that of the exported draft
 (the best checkpoint by val acc_len so far). Writes ``curve.json`` (points, references, the Pearson correlation
-between val acc_len and decoder τ across all points) and ``curve.png`` (τ against training tokens, one line per
+between val acc_len and decoder τ across all points, and ``correlation_t1``: val acc_len_t1, the T=1 acceptance that
+heads trained on the target's distribution report, against τ at T=1) and ``curve.png`` (τ against training tokens, one line per
 family and temperature, references dashed) into ``run_dir``.
 """
 from __future__ import annotations
@@ -66,9 +67,10 @@ def last_step(run: Path) -> int:
     return int(torch.load(p, map_location="cpu", weights_only=False)["global_step"]) if p.exists() else 0
 
 
-def exported_acc_len(result: dict) -> tuple[float | None, list[float]]:
-    """val acc_len and per-step accuracies of the exported (best) checkpoint; the run's last validation if the
-    checkpoint does not record them."""
+def exported_acc_len(result: dict) -> tuple[float | None, list[float], float | None]:
+    """val acc_len, per-step accuracies and val acc_len_t1 (the T=1 acceptance; heads trained on the target's
+    distribution only) of the exported (best) checkpoint; the run's last validation if the checkpoint does not
+    record them."""
     import torch
 
     metrics = {}
@@ -78,8 +80,8 @@ def exported_acc_len(result: dict) -> tuple[float | None, list[float]]:
     if "val/acc_len" not in metrics:
         metrics = result
     accs = [float(metrics[f"val/acc_{j}"]) for j in range(64) if f"val/acc_{j}" in metrics]
-    v = metrics.get("val/acc_len")
-    return (None if v is None else float(v)), accs
+    v, v1 = metrics.get("val/acc_len"), metrics.get("val/acc_len_t1")
+    return (None if v is None else float(v)), accs, (None if v1 is None else float(v1))
 
 
 def budget_overrides(unit: str, schedule: str, point: int, last_budget: int) -> list[str]:
@@ -157,6 +159,13 @@ def correlations(points: list[dict]) -> dict[str, Any]:
     return out
 
 
+def correlation_t1(points: list[dict], label: str = "T=1") -> dict[str, Any]:
+    """Pearson r between val acc_len_t1 (the T=1 acceptance on validation) and mean decoder τ at ``label``."""
+    pairs = [(p["val_acc_len_t1"], p["tau_mean"][label]) for p in points
+             if p.get("val_acc_len_t1") is not None and label in p["tau_mean"]]
+    return {"pearson": pearson(*map(list, zip(*pairs))) if pairs else None, "n": len(pairs)}
+
+
 def plot(points: list[dict], references: dict, path: Path, x: str = "train_tokens") -> None:
     """τ against ``x`` (a point's ``train_tokens`` or ``train_time_s``), one line per family and temperature."""
     import matplotlib
@@ -224,13 +233,13 @@ def run(cfg: DictConfig) -> dict:
                 continue
             tr = train_point(fam, overrides, list(cfg.train_overrides), run, s, steps[-1], cfg.schedule, cfg.unit)
             result = tr["result"]
-            acc_len, accs = exported_acc_len(result)
+            acc_len, accs, acc_len_t1 = exported_acc_len(result)
             res = evaluate(target, tok, {fam: load_head(result["export"], target)}, sets, *args)
             by_t, speed = taus(res, fam), taus(res, fam, "speedup")
             point = {"family": fam, "budget": s if cfg.unit != "tokens" else float(cfg.budgets[steps.index(s)]),
                      "unit": cfg.unit, "steps": int(result["global_step"]), "resumed_from_step": tr["resumed_from_step"],
                      "train_tokens": int(result.get("train_tokens", 0)), "train_time_s": result.get("train_time_s"),
-                     "val_acc_len": acc_len, "val_acc": accs, "tau": by_t,
+                     "val_acc_len": acc_len, "val_acc": accs, "val_acc_len_t1": acc_len_t1, "tau": by_t,
                      "tau_mean": {t: mean(v.values()) for t, v in by_t.items()}, "speedup": speed,
                      "speedup_mean": {t: mean(v.values()) for t, v in speed.items()},
                      "acceptance_per_position": {f"{sn} {t}": row[fam]["acceptance_per_position"]
@@ -241,14 +250,17 @@ def run(cfg: DictConfig) -> dict:
             points.append(point)
             print(f"== {fam} @ {point['steps']} steps / {point['train_tokens']} tokens: val acc_len "
                   f"{acc_len if acc_len is None else round(acc_len, 3)}, τ {point['tau_mean']}", flush=True)
-    corr = correlations(points)
+    corr, corr1 = correlations(points), correlation_t1(points)
     out = {"protocol": protocol, "references": references, "references_speedup": refs.get("speedup", {}),
-           "points": points, "correlation": corr}
+           "points": points, "correlation": corr, "correlation_t1": corr1}
     write_json(run_dir / "curve.json", out)
     plot(points, references, run_dir / "curve.png", x="train_time_s" if cfg.unit == "seconds" else "train_tokens")
     for t, c in corr.items():
         r = c["pearson"]
         print(f"Pearson(val acc_len, τ) {t}: {'n/a' if r is None else f'{r:.3f}'} over {c['n']} points")
+    if corr1["n"]:
+        r = corr1["pearson"]
+        print(f"Pearson(val acc_len_t1, τ) T=1: {'n/a' if r is None else f'{r:.3f}'} over {corr1['n']} points")
     print(f"wrote {run_dir}/curve.json, curve.png")
     return out
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, train_overrides
 from data.errors import UserError
-from eval.curve import budget_overrides, budget_steps, correlations, pearson
+from eval.curve import budget_overrides, budget_steps, correlation_t1, correlations, pearson
 
 
 def test_budgets_and_correlation():
@@ -28,6 +28,9 @@ def test_budgets_and_correlation():
     assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and pearson([1, 2], [1, 2]) is None
     pts = [{"val_acc_len": a, "tau_mean": {"T=0": t}} for a, t in ((1.1, 1.2), (1.2, 1.5), (1.4, 1.6))]
     assert correlations(pts)["T=0"]["n"] == 3 and correlations(pts)["all"]["pearson"] > 0.8
+    pts = [{"val_acc_len_t1": a, "tau_mean": {"T=0": 2.0, "T=1": t}} for a, t in ((1.3, 1.4), (1.5, 1.3), (1.6, 1.2))]
+    assert correlation_t1(pts)["n"] == 3 and correlation_t1(pts)["pearson"] < -0.8  # T=1's metric against T=1's τ
+    assert correlation_t1([{"val_acc_len_t1": None, "tau_mean": {"T=1": 1.0}}])["n"] == 0
 
 
 def test_curve_resumes_one_run_and_writes_json_and_plot(tiny_target_dir, tiny_chats, tmp_path):
@@ -56,6 +59,7 @@ def test_curve_resumes_one_run_and_writes_json_and_plot(tiny_target_dir, tiny_ch
     assert p2["train_tokens"] > p1["train_tokens"]
     assert r.stdout.count("resuming from step 2") == 1 or "resuming from step 2" in r.stderr
     assert set(curve["correlation"]) == {"T=0", "all"} and curve["correlation"]["all"]["n"] == 2
+    assert p1["val_acc_len_t1"] > 1.0 and curve["correlation_t1"]["n"] == 0  # eagle3 reports it; no T=1 points here
     # a rerun finds both points done: nothing is trained again
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "== eagle3: step" not in r.stdout, r.stdout[-2000:]
