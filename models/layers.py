@@ -297,7 +297,8 @@ class _RowCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, labels: torch.Tensor | None, teacher: torch.Tensor | None,
-                rows: torch.Tensor | None, teacher_is_probs: bool, tv: float) -> tuple[torch.Tensor, torch.Tensor]:
+                rows: torch.Tensor | None, teacher_is_probs: bool, tv: float,
+                mass: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         N, V = z.shape
         loss, grad, tvd = z.new_empty(N), torch.empty_like(z), z.new_empty(N)
         c = max(1, _RowCE.CHUNK_BYTES // (4 * V))
@@ -318,8 +319,13 @@ class _RowCE(torch.autograd.Function):
                 t = teacher[s:e] if rows is None else teacher[rows[s:e]]
                 p = t.float() if teacher_is_probs else torch.softmax(t.float(), -1)  # [c, V]
                 loss[s:e] = -torch.linalg.vecdot(p, log_q)  # (a batched product is slow for rows this small)
-                sign = torch.sign(g - p)  # [c, V]
-                tvd[s:e] = 0.5 * torch.linalg.vecdot(sign, g - p)
+                if mass is None:
+                    pm, rest = p, 0.0
+                else:  # p is renormalised on a subset holding mass m of the full distribution: TV against the full one
+                    m = (mass[s:e] if rows is None else mass[rows[s:e]]).float()  # [c]
+                    pm, rest = p * m[:, None], 1 - m
+                sign = torch.sign(g - pm)  # [c, V]
+                tvd[s:e] = 0.5 * (torch.linalg.vecdot(sign, g - pm) + rest)
                 if tv:  # d TV/dz = ½ q ⊙ (s − Σ_v s q), s = sign(q − p)
                     loss[s:e] += tv * tvd[s:e]
                     sign.sub_(torch.linalg.vecdot(sign, g)[:, None]).mul_(0.5 * tv)
@@ -335,20 +341,23 @@ class _RowCE(torch.autograd.Function):
             raise RuntimeError("row_ce: a second backward through the same graph (retain_graph) is not supported")
         ctx.spent = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(g[:, None]), None, None, None, None, None  # the buffer is this call's own: scaled in place, once
+        return grad.mul_(g[:, None]), None, None, None, None, None, None  # the buffer is this call's own: scaled in place, once
 
 
 def row_ce(z: torch.Tensor, labels: torch.Tensor | None = None, teacher: torch.Tensor | None = None,
            rows: torch.Tensor | None = None, teacher_is_probs: bool = False, tv: float = 0.0,
-           return_tv: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           return_tv: bool = False, mass: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy [N] of logits z [N, V] (differentiable in z only): against the data tokens ``labels``
     [N], or against the target's distribution for each row, ``teacher`` [R, V] (logits, or probabilities with
     ``teacher_is_probs``) at row ``rows`` [N] of it (default: row n for row n). ``tv`` > 0 adds that weight of the
     total variation ½Σ|q − p| to each row's loss; ``return_tv`` also returns the total variation [N] (not
-    differentiable; 1 − it is the T=1 acceptance chance of a token drawn from the head)."""
+    differentiable; 1 − it is the T=1 acceptance chance of a token drawn from the head). ``mass`` [R] (rows as
+    ``teacher``): the teacher rows are a distribution renormalised on the head's vocabulary, which holds that mass of
+    the full one; the cross-entropy reads them as given, the total variation is against the full distribution (the
+    mass outside counts as rejected)."""
     if (labels is None) == (teacher is None):
         raise ValueError("row_ce: give exactly one of labels and teacher")
-    loss, tvd = _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs, float(tv))
+    loss, tvd = _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs, float(tv), mass)
     return (loss, tvd) if return_tv else loss
 
 

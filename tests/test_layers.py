@@ -126,7 +126,15 @@ def test_row_ce_total_variation_term_and_the_acceptance_it_returns_match_autogra
         q_y = torch.softmax(x, -1).gather(1, labels[:, None])[:, 0]
         return F.cross_entropy(x, labels, reduction="none") + tv * (1 - q_y), 1 - q_y
 
+    mass = torch.rand(6, generator=g) * 0.5 + 0.5  # each teacher row: renormalised on a subset holding this mass
+
+    def ref_subset(x):  # the cross-entropy against p as given; TV and acceptance against the full distribution
+        q, m = torch.softmax(x, -1), mass[rows, None]
+        tv_full = 0.5 * ((q - m * p).abs().sum(-1) + 1 - m[:, 0])
+        return -(p * torch.log_softmax(x, -1)).sum(-1) + tv * tv_full, 1 - torch.minimum(m * p, q).sum(-1)
+
     for ours, ref in ((lambda x: row_ce(x, teacher=teacher, rows=rows, tv=tv, return_tv=True), ref_soft),
+                      (lambda x: row_ce(x, teacher=teacher, rows=rows, tv=tv, return_tv=True, mass=mass), ref_subset),
                       (lambda x: row_ce(x, labels=labels, tv=tv, return_tv=True), ref_hard)):
         z1, z2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
         (l1, tv1), (l2, tv2) = ours(z1), ref(z2)

@@ -74,3 +74,24 @@ def test_tv_weight_adds_the_total_variation_and_validation_reports_the_t1_accept
     module.on_validation_epoch_end()
     assert logged["val/accept_t1_0"] == pytest.approx(float(rate[0]))
     assert 1.0 < logged["val/acc_len_t1"] < 1.0 + len(rate)
+
+
+def test_eagle3_t1_acceptance_counts_the_mass_outside_its_draft_vocabulary_as_rejected():
+    """With a reduced draft vocabulary the reported acceptance is Σ_v min(p_v, q_v) against the target's full
+    distribution p (a draft token outside it can never be drawn), not against p renormalised on the vocabulary."""
+    from models.heads.eagle3 import step_weights
+    from models.layers import shift_left
+
+    target, head = make_head(ROOT / "conf" / "draft" / "eagle3.yaml", ttt_steps=1, draft_vocab_size=64)
+    head.prepare_from_data(torch.arange(128, 0, -1).float())  # the draft vocabulary: target ids 0..63
+    b = batch()
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
+    with torch.no_grad():
+        out = head.training_loss(b, feats)
+        q = torch.softmax(head.logits_of(next(iter(head.unroll(b["input_ids"], b["attention_mask"], feats, 1)))).float(), -1)
+    p = torch.softmax(feats.logits.float(), -1)[..., head.draft_ids()]  # [B, T, 64] the full distribution's rows
+    w = step_weights(b["loss_mask"], head.t2d[feats.logits.argmax(-1)], b["attention_mask"], 0)
+    exact = (torch.minimum(shift_left(p, 1), q).sum(-1) * w).sum()
+    renormalised = (torch.minimum(shift_left(p / p.sum(-1, keepdim=True), 1), q).sum(-1) * w).sum()
+    assert float(out.accepted[0]) == pytest.approx(float(exact), rel=1e-4)
+    assert float(renormalised) > float(exact) * 1.05  # the mass outside the 64 rows is not small here

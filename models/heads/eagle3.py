@@ -210,7 +210,11 @@ class Eagle3Head(DraftHead):
         B, T = ids.shape
         t_logits = feats.logits  # [B, T, V] target logits
         t_top = t_logits.argmax(-1)  # [B, T]
-        t_probs = torch.softmax(t_logits[..., self.draft_ids()].float(), dim=-1)  # [B, T, Vd] on the draft vocabulary
+        t_draft = t_logits[..., self.draft_ids()].float()  # [B, T, Vd]
+        t_probs = torch.softmax(t_draft, dim=-1)  # [B, T, Vd] on the draft vocabulary
+        mass = None  # [B·T] the target's mass on the draft vocabulary (for the T=1 acceptance), where it is not all
+        if self.draft_vocab_size < t_logits.shape[-1]:
+            mass = (torch.logsumexp(t_draft, -1) - torch.logsumexp(t_logits.float(), -1)).exp().view(-1)
         in_vocab = self.t2d[t_top]  # [B, T]
         loss = t_probs.new_zeros(())
         correct = torch.zeros(self.ttt_steps, device=ids.device)
@@ -223,12 +227,12 @@ class Eagle3Head(DraftHead):
             logits = self.logits_of(h[b, t])  # [N, Vd]
             wn = w[b, t]
             ce, tvd = row_ce(logits, teacher=t_probs.view(B * T, -1), rows=b * T + t + 1 + j, teacher_is_probs=True,
-                             tv=self.tv_weight, return_tv=True)  # [N], [N]
+                             tv=self.tv_weight, return_tv=True, mass=mass)  # [N], [N]
             loss = loss + (self.step_decay ** j) * ((ce * wn).sum() / wn.sum().clamp_min(1.0) + self.step_loss(j, h, feats, w, x0))
             with torch.no_grad():
                 top = logits.argmax(-1)
                 correct[j], total[j] = (top + self.d2t[top] == t_top[b, t + 1 + j]).sum(), b.numel()  # target ids
-                accepted[j] = (1 - tvd).sum()  # against the target's distribution renormalised on the draft vocabulary
+                accepted[j] = (1 - tvd).sum()  # Σ min(p, q) against the target's full distribution
         return HeadOutput(loss=loss, correct=correct, total=total, accepted=accepted)
 
     # -- inference (the decoder's Drafter protocol) ----------------------------------------------
