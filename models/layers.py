@@ -298,9 +298,9 @@ class _RowCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, labels: torch.Tensor | None, teacher: torch.Tensor | None,
                 rows: torch.Tensor | None, teacher_is_probs: bool, tv: float,
-                mass: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                mass: torch.Tensor | None, want_tv: bool) -> tuple[torch.Tensor, torch.Tensor]:
         N, V = z.shape
-        loss, grad, tvd = z.new_empty(N), torch.empty_like(z), z.new_empty(N)
+        loss, grad, tvd = z.new_empty(N), torch.empty_like(z), z.new_zeros(N)  # tvd stays 0 unless wanted or weighted
         c = max(1, _RowCE.CHUNK_BYTES // (4 * V))
         for s in range(0, N, c):
             e = min(N, s + c)
@@ -319,13 +319,17 @@ class _RowCE(torch.autograd.Function):
                 t = teacher[s:e] if rows is None else teacher[rows[s:e]]
                 p = t.float() if teacher_is_probs else torch.softmax(t.float(), -1)  # [c, V]
                 loss[s:e] = -torch.linalg.vecdot(p, log_q)  # (a batched product is slow for rows this small)
+                if not (tv or want_tv):  # the plain cross-entropy: no pass over |q − p|
+                    g.sub_(p)
+                    continue
                 if mass is None:
                     pm, rest = p, 0.0
                 else:  # p is renormalised on a subset holding mass m of the full distribution: TV against the full one
                     m = (mass[s:e] if rows is None else mass[rows[s:e]]).float()  # [c]
                     pm, rest = p * m[:, None], 1 - m
-                sign = torch.sign(g - pm)  # [c, V]
-                tvd[s:e] = 0.5 * (torch.linalg.vecdot(sign, g - pm) + rest)
+                diff = g - pm  # [c, V]
+                sign = torch.sign(diff)
+                tvd[s:e] = 0.5 * (torch.linalg.vecdot(sign, diff) + rest)
                 if tv:  # d TV/dz = ½ q ⊙ (s − Σ_v s q), s = sign(q − p)
                     loss[s:e] += tv * tvd[s:e]
                     sign.sub_(torch.linalg.vecdot(sign, g)[:, None]).mul_(0.5 * tv)
@@ -341,7 +345,7 @@ class _RowCE(torch.autograd.Function):
             raise RuntimeError("row_ce: a second backward through the same graph (retain_graph) is not supported")
         ctx.spent = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(g[:, None]), None, None, None, None, None, None  # the buffer is this call's own: scaled in place, once
+        return grad.mul_(g[:, None]), None, None, None, None, None, None, None  # the buffer is this call's own: scaled in place, once
 
 
 def row_ce(z: torch.Tensor, labels: torch.Tensor | None = None, teacher: torch.Tensor | None = None,
@@ -357,7 +361,7 @@ def row_ce(z: torch.Tensor, labels: torch.Tensor | None = None, teacher: torch.T
     mass outside counts as rejected)."""
     if (labels is None) == (teacher is None):
         raise ValueError("row_ce: give exactly one of labels and teacher")
-    loss, tvd = _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs, float(tv), mass)
+    loss, tvd = _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs, float(tv), mass, return_tv)
     return (loss, tvd) if return_tv else loss
 
 
