@@ -36,7 +36,7 @@ class HeadOutput:
     loss: torch.Tensor
     correct: torch.Tensor            # [K] positions where step j's top-1 equals the target's top-1
     total: torch.Tensor              # [K] positions scored at step j
-    accepted: torch.Tensor | None = None  # [K] Σ over those positions of Σ_v min(p, q): T=1 acceptance (soft-target heads; p as the loss sees it)
+    accepted: torch.Tensor | None = None  # [K] Σ over those positions of Σ_v min(p, q): T=1 acceptance against the target (soft-target heads)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
