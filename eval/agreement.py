@@ -13,6 +13,11 @@ At the same positions it also gives the acceptance a first drafted token would h
 Σ min(p, q) of rejection sampling, p the target's distribution, q the draft's) with the draft's logits divided by
 each of ``scales``: where a scale other than 1 scores higher, the draft is over- or under-confident and sampling it
 at another temperature would be accepted more often (any q is lossless; acceptance is what changes).
+With ``temperature`` > 0 (``python -m eval.agreement path=... temperature=1``) the question is asked of sampling
+instead (:func:`sampled_agreement`): the head decodes by exact rejection sampling, and on that text (a sample of the
+target) the teacher-forced acceptance of a first drafted token, Σ min(p, q), is split by how each position's pending
+token was chosen (after the prompt, a bonus token, a residual draw after a rejection, a kept draft), beside decoding's
+realised acceptance at position 1 and the target's mass on the draft vocabulary (the most that position can accept).
 Writes ``agreement.json``.
 """
 from __future__ import annotations
@@ -64,6 +69,91 @@ def agreement(target, head, prompts: list[torch.Tensor], max_new_tokens: int, eo
             "sampled_acceptance_at_1_by_draft_scale": {str(s): round(float(v) / max(total, 1), 4) for s, v in zip(scales, sampled)}}
 
 
+class _Rounds:
+    """A drafter passed through, recording each round: the index in the sequence of its pending token, how many
+    tokens it drafted and how many of them the target kept (None until the round is committed)."""
+
+    def __init__(self, head):
+        self.head, self.rounds, self.n = head, [], 0
+        self.max_draft = getattr(head, "max_draft", None)
+
+    def start(self, prompt_ids, feats) -> None:
+        self.n, self.rounds = prompt_ids.numel(), []
+        self.head.start(prompt_ids, feats)
+
+    def propose(self, pending, k, sampler):
+        prop = self.head.propose(pending, k, sampler)
+        self.rounds.append([self.n, prop.tokens.numel(), None])
+        return prop
+
+    def commit(self, tokens, feats) -> None:
+        if self.rounds and self.rounds[-1][2] is None:
+            self.rounds[-1][2] = tokens.numel() - 1
+        self.n += tokens.numel()
+        self.head.commit(tokens, feats)
+
+    def roles(self) -> dict[int, str]:
+        """Pending-token index → how that token was chosen: ``first`` (after the prompt), ``bonus`` (sampled from p
+        after every draft of the round before was kept) or ``residual`` (drawn from norm(max(0, p − q)) after a
+        rejection). The tokens the target kept from a draft are never pending: they are ``accepted draft``."""
+        out = {}
+        for i, (at, _, _) in enumerate(self.rounds):
+            if i == 0:
+                out[at] = "first"
+            else:
+                _, drafted, kept = self.rounds[i - 1]
+                out[at] = "bonus" if kept == drafted else "residual"
+        return out
+
+
+ROLES = ("first", "bonus", "residual", "accepted draft")
+
+
+@torch.no_grad()
+def sampled_agreement(target, head, prompts: list[torch.Tensor], max_new_tokens: int, eos: list[int],
+                      temperature: float = 1.0, k: int = 1, seed: int = 0) -> dict:
+    """At temperature > 0: each prompt is decoded speculatively (``k`` drafted tokens a round, exact rejection
+    sampling), which makes a sample of the target's own distribution; on that text the head's teacher-forced training
+    forward gives, at every answer position, the acceptance Σ min(p, q) a first drafted token would have there (what
+    validation's ``accept_t1_0`` averages over the target's sampled answers). Those positions are split by how their
+    pending token was chosen (:meth:`_Rounds.roles`): decoding drafts its first token only after a ``first``, ``bonus``
+    or ``residual`` one, so its acceptance at position 1 is the mean over those, and the gap to the mean over every
+    position is the share of the draft's rounds that start from a token it predicted poorly. The decoder's realised
+    acceptance at position 1 beside the teacher-forced expectation at the same positions checks decode = train."""
+    from eval.decoder import Sampler, SpeculativeDecoder
+
+    if temperature <= 0 or k < 1:
+        raise UserError(f"sampled agreement: temperature={temperature} must be > 0 and k={k} >= 1")
+    dec = SpeculativeDecoder(target, eos)
+    rec = _Rounds(head)
+    sums = {r: [0.0, 0] for r in ROLES}
+    acc = reached = 0
+    mass = 0.0  # Σ over positions of p's mass on the draft vocabulary: the most the first position can accept
+    for i, ids in enumerate(prompts):
+        sampler = Sampler(temperature, generator=torch.Generator().manual_seed(seed + i))
+        out, st = dec.generate(ids, rec, k=k, max_new_tokens=max_new_tokens, sampler=sampler)
+        acc, reached = acc + (st.accepted_at[:1] or [0])[0], reached + (st.proposed_at[:1] or [0])[0]
+        roles = rec.roles()
+        seq = torch.cat([ids.view(-1), torch.tensor(out)])[None]  # [1, T]
+        feats = target(seq, return_logits=True)
+        for at in range(ids.numel() - 1, seq.shape[1] - 2):  # the pending token at+1 is an answer token
+            draft = head.teacher_forced_logits(seq, feats, at, 1)[0]  # [V], −inf outside the draft vocabulary
+            p = torch.softmax(feats.logits[0, at + 1].float() / temperature, -1)
+            q = torch.softmax(draft.float() / temperature, -1)
+            s = sums[roles.get(at + 1, "accepted draft")]
+            s[0], s[1] = s[0] + float(torch.minimum(p, q).sum()), s[1] + 1
+            mass += float(p[torch.isfinite(draft)].sum())
+    starts = [sums[r] for r in ROLES[:3]]
+    n_all, n_starts = sum(v[1] for v in sums.values()), sum(v[1] for v in starts)
+    return {"temperature": temperature, "k": k, "positions": n_all,
+            "teacher_forced_acceptance_at_1": round(sum(v[0] for v in sums.values()) / max(n_all, 1), 4),
+            "by_pending_token": {r: {"positions": n, "acceptance_at_1": round(e / n, 4) if n else None}
+                                 for r, (e, n) in sums.items()},
+            "teacher_forced_acceptance_at_round_starts": round(sum(v[0] for v in starts) / max(n_starts, 1), 4),
+            "target_mass_in_draft_vocab": round(mass / max(n_all, 1), 4),
+            "decode_rounds": reached, "decode_acceptance_at_1": round(acc / max(reached, 1), 4)}
+
+
 @hydra.main(config_path="../conf", config_name="agreement", version_base="1.3")
 @cli
 def main(cfg: DictConfig) -> None:
@@ -77,13 +167,22 @@ def main(cfg: DictConfig) -> None:
         scales = ()
     if not scales or min(scales) <= 0:
         raise UserError(f"scales={cfg.scales}: give a list of one or more numbers > 0 (the draft's logits are divided by each)")
+    try:
+        temperature = float(cfg.temperature)
+    except (TypeError, ValueError):
+        temperature = -1.0
+    if temperature < 0 or not isinstance(cfg.k, int) or cfg.k < 1:
+        raise UserError(f"temperature={cfg.temperature}, k={cfg.k}: give a temperature >= 0 (0: the greedy comparison) and an integer k >= 1")
     target = instantiate(cfg.target)
     tok = load_tokenizer(cfg.target.name_or_path)
     head = load_head(cfg.path, target)
     target.set_tap_layers(head.tap_layers)
     prompts = [encode_prompt(tok, q["messages"][:1]) for q in mt_bench(limit=cfg.prompts)]
+    eos = _eos_ids(target, tok)
     res = {"target": str(cfg.target.name_or_path), "head": str(cfg.path), "prompts": len(prompts),
-           "max_new_tokens": cfg.max_new_tokens, **agreement(target, head, prompts, cfg.max_new_tokens, _eos_ids(target, tok), scales)}
+           "max_new_tokens": cfg.max_new_tokens,
+           **(sampled_agreement(target, head, prompts, cfg.max_new_tokens, eos, temperature, int(cfg.k), int(cfg.seed))
+              if temperature > 0 else agreement(target, head, prompts, cfg.max_new_tokens, eos, scales))}
     write_json(Path(cfg.out_dir) / "agreement.json", res, echo=True)
 
 

@@ -1,9 +1,11 @@
 """eval.agreement: teacher-forced top-1 on the target's own greedy text beside decoding's acceptance at position 1."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from eval.agreement import agreement, expected_acceptance
+from data.errors import UserError
+from eval.agreement import agreement, expected_acceptance, sampled_agreement
 from test_heads import DRAFT_CONFIGS, make_head
 
 
@@ -34,3 +36,25 @@ def test_expected_acceptance_is_one_minus_total_variation_and_peaks_at_the_targe
     draft = target_logits.clone()
     draft[:10] = float("-inf")
     assert torch.allclose(expected_acceptance(target_logits, draft, [1.0])[0], 1 - p[:10].sum(), atol=1e-5)
+
+
+def test_sampled_agreement_splits_positions_by_pending_token_and_matches_decoding():
+    cfg = next(p for p in DRAFT_CONFIGS if p.stem == "eagle")
+    target, head = make_head(cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # a random head that still agrees with the target now and then
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    prompts = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 7, 9, 11)]
+    res = sampled_agreement(target, head.eval(), prompts, max_new_tokens=40, eos=[], temperature=1.0, k=1)
+    roles = res["by_pending_token"]
+    assert res["positions"] == 4 * 39 == sum(r["positions"] for r in roles.values())
+    assert roles["first"]["positions"] == 4  # one round after each prompt
+    # with k=1 every round starts after the first token, a bonus (its draft kept) or a residual draw (rejected)
+    assert roles["first"]["positions"] + roles["bonus"]["positions"] + roles["residual"]["positions"] == res["decode_rounds"]
+    assert roles["bonus"]["positions"] > 0 and roles["residual"]["positions"] > 0
+    # decoding's realised acceptance is a Bernoulli draw per round with the teacher-forced expectation as its mean
+    n, e = res["decode_rounds"], res["teacher_forced_acceptance_at_round_starts"]
+    assert abs(res["decode_acceptance_at_1"] - e) < 4 * (e * (1 - e) / n) ** 0.5 + 1e-9
+    with pytest.raises(UserError, match="temperature"):
+        sampled_agreement(target, head, prompts, max_new_tokens=8, eos=[], temperature=0.0)

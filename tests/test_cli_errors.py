@@ -21,6 +21,8 @@ def run(*args, cwd=ROOT):
     (["data.regenerate", "device=gpu0"], "device='gpu0'"),
     (["eval.agreement", "scales=[1.0,0]"], "scales"),
     (["eval.agreement", "scales=[a]"], "scales"),
+    (["eval.agreement", "temperature=-1"], "temperature"),
+    (["eval.agreement", "temperature=1", "k=0"], "k=0"),
     (["train.embedded_target", "ckpt_path=/nonexistent.ckpt", "experiment_target=micro", "run_dir=/tmp/ds-cli-test"], "ckpt_path"),
 ])
 def test_one_line_errors(args, expect):
