@@ -137,12 +137,11 @@ def sampled_agreement(target, head, prompts: list[torch.Tensor], max_new_tokens:
         seq = torch.cat([ids.view(-1), torch.tensor(out)])[None]  # [1, T]
         feats = target(seq, return_logits=True)
         for at in range(ids.numel() - 1, seq.shape[1] - 2):  # the pending token at+1 is an answer token
-            draft = head.teacher_forced_logits(seq, feats, at, 1)[0]  # [V], −inf outside the draft vocabulary
-            p = torch.softmax(feats.logits[0, at + 1].float() / temperature, -1)
-            q = torch.softmax(draft.float() / temperature, -1)
+            draft = head.teacher_forced_logits(seq, feats, at, 1)[0].float() / temperature  # [V], −inf outside the draft vocabulary
+            t = feats.logits[0, at + 1].float() / temperature  # [V]
             s = sums[roles.get(at + 1, "accepted draft")]
-            s[0], s[1] = s[0] + float(torch.minimum(p, q).sum()), s[1] + 1
-            mass += float(p[torch.isfinite(draft)].sum())
+            s[0], s[1] = s[0] + float(expected_acceptance(t, draft, [1.0])[0]), s[1] + 1
+            mass += float((t[torch.isfinite(draft)].logsumexp(-1) - t.logsumexp(-1)).exp())
     starts = [sums[r] for r in ROLES[:3]]
     n_all, n_starts = sum(v[1] for v in sums.values()), sum(v[1] for v in starts)
     return {"temperature": temperature, "k": k, "positions": n_all,
