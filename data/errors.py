@@ -15,6 +15,18 @@ from typing import Any, Callable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the checkout, or site-packages when installed: conf/ and assets/
+
+
+def shipped(path: str | Path) -> str:
+    """``path`` as given where it exists (or is absolute); else, for a relative path such as ``assets/smollm2-eagle``,
+    the copy that ships with the package, so an installed tool finds its shipped heads from any directory."""
+    p = Path(path).expanduser()
+    if p.exists() or p.is_absolute():
+        return str(p)
+    q = PACKAGE_ROOT / p
+    return str(q) if q.exists() else str(path)
+
 
 class UserError(Exception):
     """A mistake in the user's input (file, field, config). Printed as one line, exit code 2."""

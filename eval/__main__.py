@@ -3,7 +3,7 @@
     python -m eval                                            # n-gram + the EAGLE-3 run of `python -m train`
     python -m eval drafters.eagle3.path=runs/eagle3-quick/draft eval_set=[mtbench] limit=10
     python -m eval eval_set=[jsonl] eval_set.jsonl.path=my_prompts.jsonl temperatures=[0]
-    python -m eval +drafters.eagle3_tree='{_target_: eval.run.load_head, path: runs/eagle3-embedded/draft, tree: {budget: 16, depth: 6, topk: 4}}'
+    python -m eval +drafters.eagle3_tree='{_target_: eval.decoding.drafters.load_head, path: runs/eagle3-embedded/draft, tree: {budget: 16, depth: 6, topk: 4}}'
 
 Writes ``results.json``, ``results.md`` (the table, with the protocol) and ``acceptance.png`` into the run
 directory and prints the table.
@@ -20,7 +20,8 @@ from data.errors import cli, instantiate, run_main
 
 
 def run(cfg: DictConfig) -> dict:
-    from eval.run import build_drafter, build_sets, count_defects, evaluate, protocol_of, write_report
+    from eval.decoding.drafters import build_drafter
+    from eval.run import build_sets, count_defects, evaluate, protocol_of, write_report
     from models.target import load_tokenizer
     target = instantiate(cfg.target)
     tok = load_tokenizer(cfg.target.name_or_path)

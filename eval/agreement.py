@@ -42,7 +42,7 @@ def expected_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor,
 @torch.no_grad()
 def agreement(target, head, prompts: list[torch.Tensor], max_new_tokens: int, eos: list[int],
               scales: tuple[float, ...] = (0.8, 0.9, 1.0, 1.1, 1.25)) -> dict:
-    from eval.decoder import NoDrafter, SpeculativeDecoder
+    from eval.decoding.decoder import NoDrafter, SpeculativeDecoder
 
     dec = SpeculativeDecoder(target, eos)
     hit = total = hit_in = total_in = acc = reached = 0
@@ -120,7 +120,7 @@ def sampled_agreement(target, head, prompts: list[torch.Tensor], max_new_tokens:
     or ``residual`` one, so its acceptance at position 1 is the mean over those, and the gap to the mean over every
     position is the share of the draft's rounds that start from a token it predicted poorly. The decoder's realised
     acceptance at position 1 beside the teacher-forced expectation at the same positions checks decode = train."""
-    from eval.decoder import Sampler, SpeculativeDecoder
+    from eval.decoding.decoder import Sampler, SpeculativeDecoder
 
     if temperature <= 0 or k < 1:
         raise UserError(f"sampled agreement: temperature={temperature} must be > 0 and k={k} >= 1")
@@ -157,7 +157,8 @@ def sampled_agreement(target, head, prompts: list[torch.Tensor], max_new_tokens:
 @cli
 def main(cfg: DictConfig) -> None:
     from data.benchmarks import mt_bench
-    from eval.run import _eos_ids, encode_prompt, load_head
+    from eval.decoding.drafters import load_head
+    from eval.run import _eos_ids, encode_prompt
     from models.target import load_tokenizer
 
     try:

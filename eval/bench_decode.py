@@ -4,8 +4,8 @@
     python -m eval.bench_decode target=smollm2 target.fast_linear=false    # the same without models/cpu_linear.py
     python -m eval.bench_decode target=smollm2 'tree={budget:16,depth:6,topk:4}' temperatures=[0,1]
 
-On the first user turn of ``limit`` prompts of the eval set, plain decoding (:class:`eval.decoder.NoDrafter`) and
-then each drafter generate up to ``max_new_tokens`` tokens with :class:`eval.decoder.SpeculativeDecoder`
+On the first user turn of ``limit`` prompts of the eval set, plain decoding (:class:`eval.decoding.decoder.NoDrafter`) and
+then each drafter generate up to ``max_new_tokens`` tokens with :class:`eval.decoding.decoder.SpeculativeDecoder`
 (interleaved per prompt, the same sampler seed for all). From the decoder's own clocks (``GenStats``), per drafter:
 
 - T(1): plain decoding's seconds per verify pass (one token over the KV cache, lm_head included);
@@ -19,7 +19,7 @@ then each drafter generate up to ``max_new_tokens`` tokens with :class:`eval.dec
   draft cost per token (realised/bound is this less the decoder's and prefill's share), and the draft cost
   r/(4·d) at which realised/bound would reach 0.8.
 
-Beside them: T(1+D)/T(1) measured in isolation by :func:`eval.planner.verify_costs` over a cache of
+Beside them: T(1+D)/T(1) measured in isolation by :func:`eval.decoding.autok.verify_costs` over a cache of
 ``profile.context`` tokens, for D up to the largest block used; and ``torch.profiler`` tables (the top operators
 by self CPU time: calls, self ms per call) of one plain target step, one verify step of each block size used (a
 causal block: a tree's attention mask is not reproduced) and one ``propose`` (``propose_tree`` with ``tree``) of
@@ -41,7 +41,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.errors import UserError, cli, instantiate, run_main, write_json
-from eval.kvcache import new_cache
+from eval.decoding.kvcache import new_cache
 from eval.run import Agg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ def profile_call(fn: Callable[[], Any], reset: Callable[[], Any], top: int, repe
 def profile_target_steps(target: Any, sizes: list[int], context: int, top: int, repeat: int = 1) -> dict:
     """One decoder step of the target (forward over a cache of ``context`` random tokens, then lm_head on every
     row) for each block size in ``sizes``; size 1 is plain decoding's step."""
-    from eval.decoder import crop
+    from eval.decoding.decoder import crop
 
     g = torch.Generator().manual_seed(0)
     V = target.vocab_size
@@ -144,7 +144,7 @@ def profile_propose(target: Any, drafter: Any, ids: torch.Tensor, k: int, tree: 
     (``propose``, then ``commit`` of the next m prompt tokens, as if m had been accepted), then the profiled call with
     the last prompt token pending; so a head that catches up on the prompt in its first ``propose`` (MTP's depths,
     EAGLE-3's context) is profiled at a round's cost. m = 0: right after ``start`` on the whole prompt."""
-    from eval.decoder import Sampler, target_rows
+    from eval.decoding.decoder import Sampler, target_rows
 
     ids = ids.view(1, -1)
     T = ids.shape[1]
@@ -215,7 +215,7 @@ def drafter_nodes(cfg: DictConfig) -> dict[str, Any]:
 
 def check_config(cfg: DictConfig) -> Any:
     """Every cheap check before the target loads; returns the TreeSpec (or None)."""
-    from eval.decoder import Sampler
+    from eval.decoding.decoder import Sampler
 
     if not isinstance(cfg.k, int) or cfg.k < 1:
         raise UserError(f"k={cfg.k}: the chain length must be an integer >= 1")
@@ -251,9 +251,10 @@ def cpu_name() -> str:
 def bench(cfg: DictConfig) -> dict:
     """Run the benchmark of ``cfg`` (conf/bench_decode.yaml), write ``bench_decode.json`` into ``cfg.out_dir`` and
     print the table; returns what was written."""
-    from eval.decoder import NoDrafter, Sampler, SpeculativeDecoder
-    from eval.planner import verify_costs
-    from eval.run import _eos_ids, build_drafter, build_sets, encode_prompt
+    from eval.decoding.decoder import NoDrafter, Sampler, SpeculativeDecoder
+    from eval.decoding.autok import verify_costs
+    from eval.decoding.drafters import build_drafter
+    from eval.run import _eos_ids, build_sets, encode_prompt
     from eval.sets import PromptLengthPolicy
     from models.target import load_tokenizer
 

@@ -6,7 +6,7 @@
 For each prompt: prefill it, then score the next ``block`` tokens of the target's own greedy continuation
 once as one block (as verification does) and once token by token (as plain decoding does), and compare
 the logits at the same positions. Reports the largest difference in units of the dtype's epsilon times
-the top logit's magnitude (the unit :func:`eval.lossless.tie_bound` uses) and how many positions had a
+the top logit's magnitude (the unit :func:`eval.decoding.lossless.tie_bound` uses) and how many positions had a
 top-1/top-2 margin inside the bound. Writes ``bench_ties.json``.
 """
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 from omegaconf import DictConfig
 
 from data.errors import cli, instantiate, run_main, write_json
-from eval.kvcache import new_cache
-from eval.lossless import TIE_ULPS
+from eval.decoding.kvcache import new_cache
+from eval.decoding.lossless import TIE_ULPS
 
 
 @torch.no_grad()
 def logit_gaps(target, prompts: list[torch.Tensor], block: int = 8) -> list[float]:
     """Per position: max |Δlogit| between block and step-by-step scoring, in ulps of the top logit."""
-    from eval.decoder import crop
+    from eval.decoding.decoder import crop
 
     eps = torch.finfo(next(target.parameters()).dtype).eps
     lm = target.model.lm_head

@@ -76,7 +76,8 @@ def summary_table(results: dict, trained: dict, protocol: dict) -> str:
 
 
 def run(cfg: DictConfig) -> dict:
-    from eval.run import build_drafter, build_sets, evaluate, load_head, protocol_of, write_report
+    from eval.decoding.drafters import build_drafter, load_head
+    from eval.run import build_sets, evaluate, protocol_of, write_report
     from models.target import load_tokenizer
     run_dir = Path(cfg.run_dir)
     families = {k: list(v) for k, v in (cfg.families or {}).items() if v is not None}

@@ -198,7 +198,8 @@ def plot(points: list[dict], references: dict, path: Path, x: str = "train_token
 
 
 def run(cfg: DictConfig) -> dict:
-    from eval.run import build_drafter, build_sets, evaluate, load_head, protocol_of
+    from eval.decoding.drafters import build_drafter, load_head
+    from eval.run import build_sets, evaluate, protocol_of
     from models.target import load_tokenizer
 
     run_dir = Path(cfg.run_dir)

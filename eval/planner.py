@@ -14,8 +14,6 @@ speed-up beside it. Writes ``planner.json`` in the run directory.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 
 import hydra
@@ -23,38 +21,8 @@ import torch
 from omegaconf import DictConfig
 
 from data.errors import UserError, cli, instantiate, run_main, write_json
-from eval.kvcache import new_cache
+from eval.decoding.autok import verify_costs
 from models.target import resolve_device
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-@torch.no_grad()
-def verify_costs(model, max_d: int, context: int, reps: int, device: str) -> list[float]:
-    """Median seconds of a forward of 1+D tokens over a cache of ``context`` tokens, for D = 0..max_d. The sizes take
-    turns within each repetition, so a drift of the machine's speed (clock, other load) spreads over all of them
-    instead of tilting the curve."""
-    from eval.decoder import crop
-
-    V = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    cache = new_cache()
-    model(input_ids=torch.randint(0, V, (1, context), generator=g).to(device), cache=cache, use_cache=True)
-    blocks = [torch.randint(0, V, (1, 1 + d), generator=g).to(device) for d in range(max_d + 1)]
-    samples: list[list[float]] = [[] for _ in blocks]
-    for r in range(reps + 2):
-        for d, block in enumerate(blocks):
-            sync(device)
-            t = time.perf_counter()
-            model(input_ids=block, cache=cache, use_cache=True)
-            sync(device)
-            if r >= 2:  # two warm-up rounds
-                samples[d].append(time.perf_counter() - t)
-            crop(cache, context)
-    return [statistics.median(x) for x in samples]
 
 
 def plan(costs: list[float], group: int, acceptance: list[float] | None) -> dict:

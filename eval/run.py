@@ -5,12 +5,11 @@ wall-clock ratios (speed-up) come from interleaved runs on the same prompts. Mul
 target's own answer of turn i (plain decoding's, the same for every drafter) into turn i+1. Results: τ,
 per-position conditional acceptance, the histogram of accepted lengths, tokens/s, speed-up over plain
 decoding, the time split (draft, verify, prefill, the decoder's own work), and at T=0 whether the output is identical to plain decoding: each
-divergence is classified by :mod:`eval.lossless` as a numerical tie (a near-tied argmax flipped by
+divergence is classified by :mod:`eval.decoding.lossless` as a numerical tie (a near-tied argmax flipped by
 reduced-precision arithmetic) or a defect; defects fail the run.
 """
 from __future__ import annotations
 
-import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,9 @@ from typing import Any
 import torch
 
 from data.errors import UserError, instantiate
-from eval.decoder import GenStats, NoDrafter, Sampler, SpeculativeDecoder
-from eval.lossless import classify
+from eval.decoding.decoder import GenStats, NoDrafter, Sampler, SpeculativeDecoder
+from eval.decoding.lossless import classify
+from eval.decoding.drafters import auto_k_factory
 
 
 @dataclass
@@ -82,110 +82,6 @@ class Agg:
         return out
 
 
-def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
-    """Instantiate a drafter config; factories that take ``target`` get it (trained heads need their target).
-    A ``tree:`` key (budget, depth, topk, min_prob: :class:`models.heads.trees.TreeSpec`) makes the drafter
-    propose trees (``drafter.tree_spec``), a ``k:`` key (an integer or auto) overrides the run's k for it; the same
-    head can be listed several times (chain, tree, k=auto) and is then compared side by side."""
-    from omegaconf import OmegaConf
-
-    from models.heads.trees import TreeSpec
-
-    node = OmegaConf.create(OmegaConf.to_container(node) if OmegaConf.is_config(node) else dict(node))
-    tree = node.pop("tree", None) if "tree" in node else None
-    k = node.pop("k", None) if "k" in node else None
-    part = instantiate(node, _partial_=True)
-    fn = part.func if hasattr(part, "func") else part
-    takes_target = "target" in inspect.signature(fn).parameters
-    drafter = part(target=target) if takes_target else part()
-    if tree is not None:
-        if not hasattr(drafter, "propose_tree"):
-            raise UserError(f"drafters.{name}.tree: {type(drafter).__name__} drafts chains only (remove tree:)")
-        try:
-            drafter.tree_spec = TreeSpec(**OmegaConf.to_container(tree))
-        except TypeError as e:
-            raise UserError(f"drafters.{name}.tree: {e} (keys: budget, depth, topk, min_prob)") from None
-    if k is not None:
-        if k != "auto" and (not isinstance(k, int) or k < 1):
-            raise UserError(f"drafters.{name}.k={k}: an integer >= 1, or auto")
-        drafter.draft_k = k
-    return drafter
-
-
-def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict | None = None) -> Any:
-    """A trained draft head exported by ``python -m train`` (``run_dir/draft``). Where the target's linear layers
-    take CPU kernels chosen for speed (``target.fast_linear``), so do the head's (:mod:`models.cpu_linear`): a tree
-    level or a block drafts several rows at once, where MKL's product can cost 2–3× one row. ``linear_dtype``:
-    ``auto`` (default) times each layer here at 1, 2, 4 and 8 rows and gives each row count the fastest of MKL,
-    MKL on a transposed copy, fp32 and bf16 packing (:func:`models.cpu_linear.pack_fastest`); ``float32`` packs
-    every layer in fp32, ``bfloat16`` in bf16 (half the
-    bytes a drafted token reads; CPUs with bf16 instructions). Measure with ``eval.bench_decode``; the draft's
-    logits change in their last bits, the output does not. ``decode``: settings that only change how the head drafts
-    (its class's ``decode_settings``, such as DSpark's ``confidence_threshold``), replacing the exported ones."""
-    from models.cpu_linear import pack_fastest, pack_linears
-    from models.formats import load_draft
-    from models.target import DTYPES
-
-    if linear_dtype not in ("float32", "bfloat16", "auto"):
-        raise UserError(f"linear_dtype={linear_dtype}: float32, bfloat16 or auto")
-    head = load_draft(path, target).eval()
-    for key, value in (decode or {}).items():
-        if key not in head.decode_settings:
-            raise UserError(f"decode.{key}: not a decoding setting of {type(head).__name__} "
-                            f"(it has: {', '.join(head.decode_settings) or 'none'})")
-        old = getattr(head, key)
-        try:
-            if isinstance(old, bool) and not isinstance(value, bool):  # bool("false") is True
-                raise TypeError
-            setattr(head, key, type(old)(value))
-        except (TypeError, ValueError):
-            raise UserError(f"decode.{key}={value!r}: expected a {type(old).__name__}") from None
-        head.init_args[key] = getattr(head, key)
-    if getattr(target, "fast_linear", False):
-        if linear_dtype == "auto":
-            pack_fastest(head)
-        else:
-            pack_linears(head, DTYPES[linear_dtype])
-    return head
-
-
-def load_head_with_lookup(path: str, target: Any, lookup_k: int = 8, max_ngram: int = 3, min_ngram: int = 2,
-                          skip_after: int | None = 0, linear_dtype: str = "auto", decode: dict | None = None,
-                          datastore: str | None = None, alone_ngram: int | None = None,
-                          sampled_union: bool = False) -> Any:
-    """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.baselines.LookupUnion`). By default the lookup's continuation drafts alone wherever it finds a match and
-    the head elsewhere (``skip_after=0``); ``skip_after: null`` adds the lookup as one more branch of every head's
-    proposal instead (measured slower: eval/RESULTS.md, "A head with prompt lookup"). ``datastore``: a datastore of
-    the target's answers (:mod:`eval.datastore`) is looked up after the current text; its matches of at least
-    ``alone_ngram`` tokens draft alone too (None: they join the head's draft). ``sampled_union``: when sampling, the
-    lookup's continuation joins the head's sampled draft as point-mass nodes (default false: the head drafts alone)."""
-    from eval.baselines import LookupUnion, NGramDrafter
-    from eval.datastore import DatastoreDrafter
-
-    if alone_ngram is not None and not datastore:
-        raise UserError("alone_ngram: only with datastore= (a prompt-lookup match always drafts alone)")
-    lookup = (DatastoreDrafter(datastore, target, max_ngram, min_ngram, alone_ngram=alone_ngram) if datastore
-              else NGramDrafter(max_ngram, min_ngram))
-    return LookupUnion(load_head(path, target, linear_dtype, decode), lookup, lookup_k, skip_after, sampled_union)
-
-
-def load_model_drafter(path: str, target: Any = None, dtype: str = "float32") -> Any:
-    """An independent small causal LM (same tokenizer as the target) as the classic draft model."""
-    from transformers import AutoModelForCausalLM
-
-    from eval.baselines import ModelDrafter
-    from models.target import DTYPES, resolve_path
-
-    p = Path(path)
-    if not (p / "config.json").exists():
-        raise UserError(f"draft model {path}: no such model directory (train one with "
-                        "`python -m train.embedded_target experiment_target=draft_model`)")
-    model = AutoModelForCausalLM.from_pretrained(resolve_path(str(p)), dtype=DTYPES[dtype])
-    if target is not None and model.config.vocab_size != target.vocab_size:
-        raise UserError(f"draft model {path}: vocabulary {model.config.vocab_size} != target's {target.vocab_size}")
-    return ModelDrafter(model)
-
-
 def build_sets(cfg: Any) -> list[Any]:
     """The prompt sets of an eval-style config (``eval_set`` group), each capped at ``cfg.limit``."""
     sets = []
@@ -222,7 +118,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
     if k != "auto" and (not isinstance(k, int) or k < 1):
         raise UserError(f"k={k}: the draft length must be an integer >= 1, or auto")
     wanted = {name: getattr(d, "draft_k", k) for name, d in drafters.items()}
-    # k=auto (eval.autok): each drafter learns its acceptance and picks k per round against the measured verify curve
+    # k=auto (eval.decoding.autok): each drafter learns its acceptance and picks k per round against the measured verify curve
     trees = {name: getattr(d, "tree_spec", None) for name, d in drafters.items()}
     autok = auto_k_factory(target, max_nodes=max([8] + [t.budget for n, t in trees.items() if t and wanted[n] == "auto"])) \
         if "auto" in wanted.values() else None
@@ -290,22 +186,6 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
             results.setdefault(pset.name, {})[f"T={temp:g}"] = row
     target.set_tap_layers(default_taps)
     return results
-
-
-def auto_k_factory(target: Any, max_k: int = 8, context: int = 256, reps: int = 7, max_nodes: int | None = None):
-    """Measure the target's verify curve once (:func:`eval.planner.verify_costs`, up to ``max_nodes`` drafted tokens:
-    the largest tree budget) → a factory of fresh :class:`eval.autok.AutoK` policies on it (``factory(tree)``: k is
-    that tree's depth)."""
-    from eval.autok import AutoK
-    from eval.planner import verify_costs
-
-    device = str(next(target.parameters()).device)
-    costs = verify_costs(target.model, max(max_k, max_nodes or 0), context, reps, device)
-    ratio = [c / costs[0] for c in costs]
-    plan = getattr(target, "linear_kernels", {}).get("plans", {}).get("all")
-    print("k=auto: verify cost T(1+d)/T(1) = " + ", ".join(f"{r:.2f}" for r in ratio) + f" (T(1) {costs[0] * 1e3:.1f} ms)"
-          + (f"; the target's kernels by row count: {', '.join(f'{r}+ {k}' for r, k in plan)}" if plan else ""), flush=True)
-    return lambda tree=None: AutoK(ratio, costs[0], max_k, tree)
 
 
 def _eos_ids(target: Any, tokenizer: Any) -> list[int]:

@@ -19,7 +19,7 @@ false``: ``F.linear`` throughout, ``packed``: oneDNN fp32 throughout).
 
 The kernels differ in their last bits (another summation order), and a layer whose plan changes kernel between one
 row and several gives plain decoding's one-row logits other last bits than a verify block's; the decoder's
-numerical-tie classification (:mod:`eval.lossless`) tells such ties from defects.
+numerical-tie classification (:mod:`eval.decoding.lossless`) tells such ties from defects.
 """
 from __future__ import annotations
 

@@ -96,8 +96,8 @@ def test_the_profiled_propose_is_a_decoding_rounds(tiny_target_dir, tree):
     import torch
 
     from eval.bench_decode import profile_propose, tree_spec
-    from eval.decoder import Sampler
-    from eval.kvcache import new_cache
+    from eval.decoding.decoder import Sampler
+    from eval.decoding.kvcache import new_cache
     from models.heads.mtp import MTPHead
     from models.target import FrozenTarget
 

@@ -7,8 +7,9 @@ import torch
 
 from conftest import tiny_model
 from data.errors import UserError
-from eval.datastore import DatastoreDrafter, NGramIndex, build_tokens, read_datastore, trie_proposal, write_datastore
-from eval.decoder import SpeculativeDecoder
+from eval.datastore import build_tokens, write_datastore
+from eval.decoding.datastore import DatastoreDrafter, NGramIndex, read_datastore, trie_proposal
+from eval.decoding.decoder import SpeculativeDecoder
 from models.heads.drafting import Sampler
 from models.heads.trees import TreeSpec
 from models.target import FrozenTarget
@@ -28,7 +29,7 @@ def test_index_finds_every_occurrence_and_cuts_at_the_answer_end():
     assert idx.starts([6, 6], limit=10).numel() == 0 and idx.starts([1, 2, 3, 4], limit=10).numel() == 0
     assert idx.starts([8], limit=10).numel() == 0  # 8 ends an answer: no continuation
     # a hash collision never yields a match: the stored n-gram is compared
-    from eval.datastore import _hash
+    from eval.decoding.datastore import _hash
 
     idx.keys[2][:] = _hash(torch.tensor([2, 3]))  # every 2-gram collides with [2, 3]
     assert idx.starts([2, 3], limit=100).tolist() == [3, 13]
@@ -139,8 +140,8 @@ def test_cli_builds_a_datastore_and_names_a_missing_source(tiny_target_dir, tiny
 def test_a_datastore_match_joins_the_heads_draft_and_a_match_in_the_text_drafts_alone(store):
     """With a head (LookupUnion, skip_after=0): the current text's continuation drafts alone, the datastore's is
     merged into the head's tree as one more branch."""
-    from eval.baselines import LookupUnion
-    from eval.decoder import Proposal
+    from eval.decoding.lookup import LookupUnion
+    from eval.decoding.decoder import Proposal
     from test_tree_heads import _Fixed
 
     T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
@@ -157,8 +158,8 @@ def test_a_datastore_match_joins_the_heads_draft_and_a_match_in_the_text_drafts_
 def test_a_long_datastore_match_drafts_alone_with_alone_ngram(store):
     """``alone_ngram``: a datastore match of at least that many tokens drafts the round alone, as a match in the
     current text does; a shorter one still joins the head's draft; bad values are one line."""
-    from eval.baselines import LookupUnion
-    from eval.decoder import Proposal
+    from eval.decoding.lookup import LookupUnion
+    from eval.decoding.decoder import Proposal
     from test_tree_heads import _Fixed
 
     T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
@@ -173,7 +174,7 @@ def test_a_long_datastore_match_drafts_alone_with_alone_ngram(store):
     for bad in (1, 4):
         with pytest.raises(UserError, match=f"alone_ngram={bad}"):
             DatastoreDrafter(str(store), max_ngram=3, min_ngram=2, alone_ngram=bad)
-    from eval.run import load_head_with_lookup
+    from eval.decoding.drafters import load_head_with_lookup
 
     with pytest.raises(UserError, match="alone_ngram: only with datastore="):
         load_head_with_lookup("assets/embedded-eagle", None, alone_ngram=3)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from eval.decoder import Sampler
+from eval.decoding.decoder import Sampler
 from models.target import TargetOutput
 from test_heads import DRAFT_CONFIGS, make_head
 
@@ -51,7 +51,7 @@ def check_decode_equals_train(target, head) -> None:
     accepted_lengths = set()
     for round_, k in enumerate([K, 1, K + 2, 3, K, 2, K, K]):
         pending = int(torch.randint(0, 128, (), generator=g))
-        if round_ in (2, 3, 6):  # a round another drafter drafted (eval.baselines.LookupUnion): commit, no propose
+        if round_ in (2, 3, 6):  # a round another drafter drafted (eval.decoding.lookup.LookupUnion): commit, no propose
             block = torch.cat([torch.tensor([pending]), torch.randint(0, 128, (round_ % 3,), generator=g)])
             ids = torch.cat([ids, block])
             head.commit(block, _tail(target, ids, block.numel()))

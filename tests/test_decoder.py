@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, tiny_model
 from data.errors import UserError
-from eval.baselines import ModelDrafter, NGramDrafter
-from eval.decoder import NoDrafter, Proposal, Sampler, SpeculativeDecoder, accept_greedy
+from eval.decoding.lookup import ModelDrafter, NGramDrafter
+from eval.decoding.decoder import NoDrafter, Proposal, Sampler, SpeculativeDecoder, accept_greedy
 from models.target import FrozenTarget, default_tap_layers
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_model
-from eval.decoder import Proposal, Sampler, SpeculativeDecoder, accept_tree, keep_rows
+from eval.decoding.decoder import Proposal, Sampler, SpeculativeDecoder, accept_tree, keep_rows
 from models.heads.trees import TreeSpec, ancestors, chain_parents, children, grow_tree, node_depths, path_to, tree_mask
 from models.target import FrozenTarget
 from test_decoder import FIXED_Q, PROMPTS, FixedQ, Oracle, plain_greedy, sampled_marginals_chi2
@@ -296,18 +296,18 @@ def test_a_point_mass_sibling_is_tried_after_the_sampled_ones():
 def test_a_lookup_branch_beside_a_sampled_tree_keeps_the_target_distribution(chain, monkeypatch):
     """LookupUnion at T>0: the head's tree drawn from q, the lookup's chain joined as point-mass nodes (merged where
     the head drew the same token); chi-square as for sampled trees, with point-mass nodes really accepted."""
-    import eval.decoder
-    from eval.baselines import LookupUnion
+    import eval.decoding.decoder
+    from eval.decoding.lookup import LookupUnion
 
     through_point = []
-    real = eval.decoder.accept_tree
+    real = eval.decoding.decoder.accept_tree
 
     def counting(draft, parents, q, logits, sampler, point=None):
         path, nxt = real(draft, parents, q, logits, sampler, point)
         through_point.append(point is not None and any(bool(point[i]) for i in path))
         return path, nxt
 
-    monkeypatch.setattr(eval.decoder, "accept_tree", counting)
+    monkeypatch.setattr(eval.decoding.decoder, "accept_tree", counting)
     chi2, accepted = sampled_marginals_chi2(lambda: LookupUnion(FixedQTree(FIXED_Q), _PointChain(chain), lookup_k=2,
                                                                       sampled_union=True),
                                             tree=TreeSpec(6, 2, 2))
@@ -325,9 +325,9 @@ def test_tree_sampling_matches_target_distribution(with_probs):
 
 
 def test_auto_k_is_lossless_and_follows_acceptance(target):
-    """k=auto (eval.autok.AutoK) keeps greedy output identical and drafts long where drafts are always right,
+    """k=auto (eval.decoding.autok.AutoK) keeps greedy output identical and drafts long where drafts are always right,
     short where they are always wrong."""
-    from eval.autok import AutoK
+    from eval.decoding.autok import AutoK
 
     dec = SpeculativeDecoder(target, eos_token_ids=[])
     ratio = [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4]
@@ -344,7 +344,7 @@ def test_auto_k_is_lossless_and_follows_acceptance(target):
 def test_auto_k_stays_within_the_drafters_longest_draft(target):
     """A drafter that drafts at most ``max_draft`` tokens (MTP: one per module; a block drafter: its block) is never
     asked for more by k=auto, where always-right drafts and a cheap verify curve would otherwise choose longer."""
-    from eval.autok import AutoK
+    from eval.decoding.autok import AutoK
 
     class Short(Oracle):
         max_draft = 2
@@ -369,7 +369,7 @@ def test_auto_k_recovers_from_unlucky_early_rounds(explore):
     estimate is never corrected); Thompson draws keep trying it and settle on the best k for the true rates."""
     import random
 
-    from eval.autok import AutoK
+    from eval.decoding.autok import AutoK
 
     ratio = [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6]  # T(1+d)/T(1), a CPU-like verify curve
     true = AutoK(ratio, t1=1.0, explore=False, learn_verify=False)
@@ -397,7 +397,7 @@ def test_auto_k_fits_a_fixed_and_a_per_token_draft_cost():
     """k=auto's draft cost per round is c0 + k·c fitted over the rounds (a block drafter's one forward, or the
     commit after each verify, is paid once a round whatever k): with one length tried it is all per token; with
     several the fit recovers both parts, and the choice follows the affine cost, not the per-token average."""
-    from eval.autok import AutoK
+    from eval.decoding.autok import AutoK
 
     ratio = [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6]
     auto = AutoK(ratio, t1=0.01, learn_verify=False)
@@ -420,7 +420,7 @@ def test_auto_k_cost_ignores_rare_slow_rounds_and_each_prompts_first(target):
     depths after a stretch at k=1) leave c0 + k·c where the usual rounds put it, where a least-squares sum over
     every round took them as the price of k=3. The decoder leaves each prompt's first round (which also reads the
     prompt) out of the fit."""
-    from eval.autok import AutoK
+    from eval.decoding.autok import AutoK
 
     ratio = [1.0, 1.05, 1.1, 1.15, 1.2]
     auto = AutoK(ratio, t1=1.0)
@@ -446,7 +446,7 @@ def test_auto_k_learns_the_verify_curve_while_decoding(learn):
     as rounds are), k=auto settles on the best length for the true curve."""
     import random
 
-    from eval.autok import AutoK
+    from eval.decoding.autok import AutoK
 
     true = [1.0 + 0.06 * d for d in range(9)]  # T(1+d)/T(1) while decoding
     start = [1.0, 1.06, 1.12, 1.45, 1.55, 1.6, 1.65, 1.7, 1.75]
@@ -474,7 +474,7 @@ def test_auto_k_learns_the_verify_curve_while_decoding(learn):
 def test_auto_k_verify_line_through_the_start_curve_and_the_rounds():
     """The verify cost is a line α + β·d (d >= 1) through the start curve (``PRIOR_WEIGHT`` rounds a point) and each
     verified size's median (its rounds); β is never negative; a prompt's first round stays out."""
-    from eval.autok import AutoK
+    from eval.decoding.autok import AutoK
 
     auto = AutoK([1.0, 1.1, 1.2, 1.3], t1=1.0)
     assert auto.curve == pytest.approx([1.0, 1.1, 1.2, 1.3])  # on a line already
@@ -507,7 +507,7 @@ def test_auto_k_verify_line_through_the_start_curve_and_the_rounds():
 def test_auto_depth_trees_are_lossless_and_follow_acceptance(target):
     """k=auto with a tree: k is the tree's depth, chosen every round against the verify cost at the node count
     measured for that depth (before any round: what the budget and top-k allow); greedy output stays identical."""
-    from eval.autok import AutoK
+    from eval.decoding.autok import AutoK
 
     spec = TreeSpec(budget=16, depth=4, topk=3)
     ratio = [1.0 + 0.05 * i for i in range(17)]
@@ -530,9 +530,9 @@ def test_auto_depth_trees_are_lossless_and_follow_acceptance(target):
 def test_eval_drafter_entries_take_tree_and_k(target):
     """conf/eval.yaml drafters: ``tree:`` and ``k:`` keys per entry; user mistakes are one clear line."""
     from data.errors import UserError
-    from eval.run import build_drafter
+    from eval.decoding.drafters import build_drafter
 
-    ngram = {"_target_": "eval.baselines.NGramDrafter", "max_ngram": 3}
+    ngram = {"_target_": "eval.decoding.lookup.NGramDrafter", "max_ngram": 3}
     d = build_drafter({**ngram, "k": "auto"}, target, "ngram")
     assert d.draft_k == "auto" and not hasattr(d, "tree_spec")
     with pytest.raises(UserError, match="drafters.ngram.tree: NGramDrafter drafts chains only"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from conftest import ROOT
-from eval.decoder import Sampler, SpeculativeDecoder
+from eval.decoding.decoder import Sampler, SpeculativeDecoder
 from test_decoder import PROMPTS, plain_greedy
 from test_heads import batch, make_head
 

@@ -43,7 +43,7 @@ def test_eval_writes_table_json_and_plot(tiny_target_dir, trained, prompts, tmp_
     out = tmp_path / "eval"
     r = run_eval(f"target.name_or_path={tiny_target_dir}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
                  f"eval_set.jsonl.path={prompts}", f"out_dir={out}", "max_new_tokens=12", "k=3",
-                 f"+drafters.tree_auto={{_target_: eval.run.load_head, path: {trained}, tree: {{budget: 4, depth: 3, topk: 2}}, k: auto}}")
+                 f"+drafters.tree_auto={{_target_: eval.decoding.drafters.load_head, path: {trained}, tree: {{budget: 4, depth: 3, topk: 2}}, k: auto}}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "max_new_tokens=12" in r.stdout and "| set | T | drafter |" in r.stdout
     res = json.loads((out / "results.json").read_text())

@@ -293,7 +293,7 @@ def test_cli_exports_a_run_dir_and_refuses_in_one_line(target_dir, tmp_path):
 
 
 def test_eval_loads_a_speculators_export(target_dir, tmp_path):
-    from eval.run import load_head
+    from eval.decoding.drafters import load_head
 
     target, head = make_head("eagle3", target_dir)
     head.export(tmp_path / "draft")
@@ -303,7 +303,7 @@ def test_eval_loads_a_speculators_export(target_dir, tmp_path):
 
 
 def test_load_head_sets_decoding_settings_and_refuses_others(target_dir, tmp_path):
-    from eval.run import load_head
+    from eval.decoding.drafters import load_head
 
     _, head = make_head("dspark", target_dir)
     head.export(tmp_path / "draft")
@@ -323,7 +323,7 @@ def test_load_head_sets_decoding_settings_and_refuses_others(target_dir, tmp_pat
 
 
 def test_load_head_packs_the_heads_linears_where_the_target_does(target_dir, tmp_path):
-    from eval.run import load_head
+    from eval.decoding.drafters import load_head
     import torch.nn.functional as F
 
     from models.cpu_linear import PackedLinear, fused

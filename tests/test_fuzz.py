@@ -179,9 +179,9 @@ CASES = [
     ("train.export", lambda w: [], "src"),
     ("train.export", lambda w: [f"src={w['e3']}", "no_such=1"], "no_such"),
     # -- python -m eval -------------------------------------------------------------------------------------
-    ("eval", lambda w: E(w, "+drafters.e3._target_=eval.run.load_head", f"+drafters.e3.path={w['bad'] / 'draft_truncated'}"),
+    ("eval", lambda w: E(w, "+drafters.e3._target_=eval.decoding.drafters.load_head", f"+drafters.e3.path={w['bad'] / 'draft_truncated'}"),
      "model.safetensors"),
-    ("eval", lambda w: E(w, "+drafters.e3._target_=eval.run.load_head", f"+drafters.e3.path={w['bad'] / 'draft_random'}"),
+    ("eval", lambda w: E(w, "+drafters.e3._target_=eval.decoding.drafters.load_head", f"+drafters.e3.path={w['bad'] / 'draft_random'}"),
      "model.safetensors"),
     ("eval", lambda w: E(w), "blank prompt"),
     ("eval", lambda w: E(w, f"eval_set.jsonl.path={w['bad'] / 'blank_turn.jsonl'}"), "blank user turn"),

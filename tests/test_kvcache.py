@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_model
-from eval.decoder import crop, keep_rows
-from eval.kvcache import BufferedLayer, new_cache
+from eval.decoding.decoder import crop, keep_rows
+from eval.decoding.kvcache import BufferedLayer, new_cache
 from data.errors import UserError
 from models.cpu_linear import PackedLinear
 from models.target import FrozenTarget

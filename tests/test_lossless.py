@@ -1,13 +1,13 @@
 """Greedy divergences from plain decoding are told apart: numerical ties (a near-tied argmax flipped by bf16
-arithmetic) versus defects (a broken acceptance rule), by :mod:`eval.lossless`."""
+arithmetic) versus defects (a broken acceptance rule), by :mod:`eval.decoding.lossless`."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import eval.decoder as decoder
-from eval.decoder import NoDrafter, Proposal, Sampler, SpeculativeDecoder
-from eval.lossless import classify, tie_bound
+import eval.decoding.decoder as decoder
+from eval.decoding.decoder import NoDrafter, Proposal, Sampler, SpeculativeDecoder
+from eval.decoding.lossless import classify, tie_bound
 from models.target import FrozenTarget
 
 

@@ -10,7 +10,7 @@ import torch
 
 from conftest import ROOT
 from data.errors import UserError
-from eval.decoder import Sampler, SpeculativeDecoder
+from eval.decoding.decoder import Sampler, SpeculativeDecoder
 from models.heads.mtp import MTPHead
 from models.layers import shift_left
 from models.target import TargetOutput

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from eval.decoder import Proposal, Sampler, SpeculativeDecoder
+from eval.decoding.decoder import Proposal, Sampler, SpeculativeDecoder
 from models.heads.trees import TreeSpec, chain_parents, node_depths, path_to
 from test_decode_equals_train import perturbed, _tail
 from test_decoder import PROMPTS, plain_greedy
@@ -148,8 +148,8 @@ class _Fixed:
 
 
 def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
-    from eval.baselines import LookupUnion
-    from eval.decoder import Proposal
+    from eval.decoding.lookup import LookupUnion
+    from eval.decoding.decoder import Proposal
 
     T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     tree = Proposal(T(10, 11, 12), None, T(-1, -1, 0))
@@ -187,7 +187,7 @@ def test_lookup_union_lets_the_head_sit_out_while_the_lookup_is_right():
     """skip_after=0: the lookup alone wherever it matches (a one-branch tree that no k cuts, outside k=auto's
     estimates), the head where it does not; skip_after=1: the union until a lookup branch was accepted whole, then
     the lookup alone until one falls short."""
-    from eval.baselines import LookupUnion
+    from eval.decoding.lookup import LookupUnion
 
     T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     tree, spec, greedy = Proposal(T(10, 11, 12), None, T(-1, -1, 0)), TreeSpec(budget=8, depth=3, topk=2), Sampler()
@@ -213,8 +213,8 @@ def test_head_with_lookup_decodes_losslessly(cfg_path):
     at exactly max_new_tokens although the lookup branch may reach past it; also when the head sits out the rounds
     after a fully accepted lookup branch (``skip_after``: the head catches up at its next draft), where k=auto
     learns only from the rounds the head drafted."""
-    from eval.autok import AutoK
-    from eval.baselines import LookupUnion, NGramDrafter
+    from eval.decoding.autok import AutoK
+    from eval.decoding.lookup import LookupUnion, NGramDrafter
 
     target, head = perturbed(cfg_path)
     prompt = torch.cat([PROMPTS[1], PROMPTS[1], PROMPTS[1][:4]])

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from data.errors import UserError, atomic_dir, read_json
+from data.errors import UserError, atomic_dir, read_json, shipped
 from models.formats import sglang, speculators, zlab
 from models.formats.common import DTYPES, head_dims, load_tensors
 from models.formats.layer_ids import LAYER_IDS, engine_layer_ids, our_layer_ids
@@ -51,6 +51,7 @@ def load_draft(path: str | Path, target: Any) -> DraftHead:
     converted; so ``eval`` reads a published drafter as it reads our own exports."""
     from safetensors.torch import load_file
 
+    path = shipped(path)
     foreign = detect_format(path)
     if foreign:
         cfg, state = import_draft(path, target)

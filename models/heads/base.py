@@ -49,7 +49,7 @@ class DraftHead(nn.Module):
     reads_taps: ClassVar[bool] = True  # False: only the final-norm feature, so a cache written with any taps fits
     needs_teacher_logits: ClassVar[bool] = False
     decode_only_state: ClassVar[tuple[str, ...]] = ()  # state that only changes how we draft: serving formats may drop it
-    decode_settings: ClassVar[tuple[str, ...]] = ()  # init arguments that only change how we draft (eval.run.load_head's ``decode``)
+    decode_settings: ClassVar[tuple[str, ...]] = ()  # init arguments that only change how we draft (eval.decoding.drafters.load_head's ``decode``)
 
     @property
     def vocab_state(self) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""The drafting contract: what the speculative decoder (:mod:`eval.decoder`) asks of every drafter.
+"""The drafting contract: what the speculative decoder (:mod:`eval.decoding.decoder`) asks of every drafter.
 
 A drafter (a trained head, the n-gram lookup, a small draft model) implements :class:`Drafter`:
 ``start`` after the target's prefill (with the prompt's target features), ``propose`` up to k tokens after
@@ -90,7 +90,7 @@ class Proposal:
     order, ``parents[i]`` the index of node i's parent (−1: the pending token). When sampling, siblings are drawn
     without replacement from one distribution, in their listed order, and ``probs[i]`` is that distribution.
     ``point`` marks nodes of a tree with ``probs`` that were not drawn from it but chosen deterministically (a lookup's
-    branch beside a head's sampled tree, :class:`eval.baselines.LookupUnion`): verification treats each as a point
+    branch beside a head's sampled tree, :class:`eval.decoding.lookup.LookupUnion`): verification treats each as a point
     mass, a candidate of its own after its sampled siblings (their rows in ``probs`` are not read)."""
 
     tokens: torch.Tensor                  # [k] drafted token ids

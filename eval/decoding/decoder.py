@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from data.errors import UserError
-from eval.kvcache import new_cache
+from eval.decoding.kvcache import new_cache
 from models.heads.drafting import Drafter, Proposal, Sampler, TreeDrafter
 from models.heads.trees import TreeSpec, node_depths, tree_mask
 from models.target import TargetOutput
@@ -180,11 +180,11 @@ class SpeculativeDecoder:
         """prompt_ids [T] or [1, T] → (new token ids, stats). Stops at EOS (included) or exactly max_new_tokens.
 
         ``tree``: drafters with ``propose_tree`` (:class:`TreeDrafter`) propose trees of this shape, others
-        chains of ``k``. ``k`` may be an :class:`eval.autok.AutoK` (``k=auto``), which picks each round's length.
+        chains of ``k``. ``k`` may be an :class:`eval.decoding.autok.AutoK` (``k=auto``), which picks each round's length.
 
         ``record_top`` > 0 (greedy only): keep, for every new token, the target's top ``record_top`` ids and
         logits at the position that chose it (``stats.top``), so a divergence can be told from a near-tie."""
-        auto = hasattr(k, "choose")  # eval.autok.AutoK: the draft length is chosen every round
+        auto = hasattr(k, "choose")  # eval.decoding.autok.AutoK: the draft length is chosen every round
         if not auto and k < 0:
             raise UserError(f"draft length k={k}: must be >= 1 (0 for plain decoding)")
         if max_new_tokens < 1:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from data.errors import UserError
-from eval.decoder import crop
+from eval.decoding.decoder import crop
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import chain_parents
 from models.target import TargetOutput
@@ -90,7 +90,7 @@ class ModelDrafter:
 
 
 class LookupUnion:
-    """A trained head and prompt lookup (:class:`NGramDrafter`, or retrieval: :class:`eval.datastore.DatastoreDrafter`)
+    """A trained head and prompt lookup (:class:`NGramDrafter`, or retrieval: :class:`eval.decoding.datastore.DatastoreDrafter`)
     as one drafter.
 
     Prompt lookup is often right for many tokens in a row where the text repeats (code, names and phrases of the

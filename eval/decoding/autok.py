@@ -2,7 +2,7 @@
 
 Expected tokens of a round with draft length k: ``τ(k) = 1 + Σ_{i<=k} Π_{j<=i} a_j`` (a_j: the drafter's
 conditional acceptance at position j); its cost in units of one plain step: ``T(1+k)/T(1) + (c0 + k·c)`` (the
-target's verify curve, measured once by :func:`eval.planner.verify_costs`, and the drafter's measured seconds
+target's verify curve, measured once by :func:`eval.decoding.autok.verify_costs`, and the drafter's measured seconds
 per round over T(1), fitted as c0 + k·c by least squares: a fixed part, such as the ``commit`` forward after each
 verify or a block drafter's one forward for the whole block, and a part per drafted token; until two lengths were
 tried, all of it per token). The fit runs through each length's *median* over its last ``WINDOW`` rounds, weighted
@@ -40,15 +40,18 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections import deque
 from typing import TYPE_CHECKING
+
+import torch
 
 if TYPE_CHECKING:
     from models.heads.drafting import TreeSpec
 
 
 class AutoK:
-    """One per (drafter, temperature); pass it as ``k`` to :meth:`eval.decoder.SpeculativeDecoder.generate`."""
+    """One per (drafter, temperature); pass it as ``k`` to :meth:`eval.decoding.decoder.SpeculativeDecoder.generate`."""
 
     WINDOW = 32  # rounds per length whose median draft time enters the cost fit
     VERIFY_WINDOW = 128  # rounds per verified size whose median verify time enters the verify line
@@ -207,3 +210,35 @@ class AutoK:
                 self.verify_times.setdefault(size, deque(maxlen=self.VERIFY_WINDOW)).append(verify_s)
                 self._medians.pop(size, None)
                 self._curve = None
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def verify_costs(model, max_d: int, context: int, reps: int, device: str) -> list[float]:
+    """Median seconds of a forward of 1+D tokens over a cache of ``context`` tokens, for D = 0..max_d. The sizes take
+    turns within each repetition, so a drift of the machine's speed (clock, other load) spreads over all of them
+    instead of tilting the curve."""
+    from eval.decoding.decoder import crop
+
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    from eval.decoding.kvcache import new_cache
+
+    cache = new_cache()
+    model(input_ids=torch.randint(0, V, (1, context), generator=g).to(device), cache=cache, use_cache=True)
+    blocks = [torch.randint(0, V, (1, 1 + d), generator=g).to(device) for d in range(max_d + 1)]
+    samples: list[list[float]] = [[] for _ in blocks]
+    for r in range(reps + 2):
+        for d, block in enumerate(blocks):
+            sync(device)
+            t = time.perf_counter()
+            model(input_ids=block, cache=cache, use_cache=True)
+            sync(device)
+            if r >= 2:  # two warm-up rounds
+                samples[d].append(time.perf_counter() - t)
+            crop(cache, context)
+    return [statistics.median(x) for x in samples]

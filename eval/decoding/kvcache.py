@@ -3,7 +3,7 @@
 ``DynamicLayer.update`` concatenates the whole cache with the new rows every forward (``torch.cat``: a copy of
 every layer's K and V per step, growing with the context). :class:`BufferedLayer` copies only the new rows into
 spare capacity and hands attention a view of the filled part; cropping (rejected drafts) and the tree decoder's
-in-place compaction (:func:`eval.decoder.keep_rows`) work on the same view. ``python -m eval.bench_decode``
+in-place compaction (:func:`eval.decoding.decoder.keep_rows`) work on the same view. ``python -m eval.bench_decode``
 profiles a target step with it (``aten::cat`` is what it removes).
 """
 from __future__ import annotations
