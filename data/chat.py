@@ -52,21 +52,23 @@ def render(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool
 
 
 _MARKS_CACHE: dict[tuple, tuple[str, str]] = {}
+_QUESTION = "\x01question\x01"
 
 
 def template_marks(tokenizer: Any, chat_template_kwargs: dict | None = None) -> tuple[str, str]:
-    """``(header, end_of_turn)``: the text a generation prompt adds (``<|im_start|>assistant\\n``) and the text the
-    template writes right after an answer (``<|im_end|>``, ``<|eot_id|>``, ``</s>``; trailing whitespace excluded),
-    read from one-turn probe renders (cached per template and kwargs)."""
+    """``(prompt_tail, end_of_turn)`` of a template, read from one-turn probe renders (cached per template and kwargs):
+    the text a generation prompt writes after a user turn's content (``<|im_end|>\\n<|im_start|>assistant\\n``,
+    ``[/INST]``), and the text written right after an answer (``<|im_end|>``, ``<|eot_id|>``, ``</s>``; trailing
+    whitespace excluded)."""
     template = getattr(tokenizer, "chat_template", None)
     key = (str(template), getattr(tokenizer, "eos_token", None), repr(sorted((chat_template_kwargs or {}).items())))
     if key not in _MARKS_CACHE:
-        user = [{"role": "user", "content": "hi"}]
+        user = [{"role": "user", "content": _QUESTION}]
         probe = render(tokenizer, user + [{"role": "assistant", "content": _PROBE}], chat_template_kwargs=chat_template_kwargs)
         eot = probe[probe.rindex(_PROBE) + len(_PROBE):].rstrip(" \t\r\n") if _PROBE in probe else ""
-        base = render(tokenizer, user, chat_template_kwargs=chat_template_kwargs)
         gen = render(tokenizer, user, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
-        _MARKS_CACHE[key] = (gen[len(base):] if gen.startswith(base) else "", eot)
+        tail = gen[gen.rindex(_QUESTION) + len(_QUESTION):] if _QUESTION in gen else ""
+        _MARKS_CACHE[key] = (tail, eot)
     return _MARKS_CACHE[key]
 
 
@@ -80,37 +82,49 @@ def _content_forms(content: str) -> list[str]:
     return [f for f in dict.fromkeys(forms) if f]
 
 
-def _locate(full: str, content: str, cursor: int) -> tuple[int, int] | None:
-    """Character span of one answer in ``full``, searching from ``cursor``; a think block the template writes
-    between the header and the answer (Qwen3's, empty or holding the reasoning) is included: the model emits it."""
+def _prompt_end(full: str, tail: str, cursor: int) -> int | None:
+    """Where the generation prompt of the next answer ends: after the longest newline-cut prefix of ``tail`` found at
+    the first occurrence of its first line from ``cursor`` (a template may write less of it before earlier answers,
+    e.g. Qwen3's empty think block only before the last); None when not found."""
+    if not tail:
+        return None
+    first = tail[: tail.index("\n") + 1] if "\n" in tail else tail
+    at = full.find(first, cursor)
+    if at < 0:
+        return None
+    cuts = [tail] + [tail[: i + 1] for i in range(len(tail) - 2, len(first) - 2, -1) if tail[i] == "\n"]
+    return at + len(next(c for c in cuts if full.startswith(c, at)))
+
+
+def _locate(full: str, content: str, cursor: int, prompt_end: int | None) -> tuple[int, int] | None:
+    """Character span of one answer in ``full``, searching from the end of its prompt (else from ``cursor``). What the
+    template writes between the prompt's end and the answer is emitted by the model and included: whitespace
+    (Mistral's space after ``[/INST]``) or a think block (Qwen3's, empty or holding the reasoning)."""
     for answer in _content_forms(content):
-        at = full.find(answer, cursor)
+        at = full.find(answer, cursor if prompt_end is None else prompt_end)
         if at < 0:
             continue
-        think = full.rfind("<think>", cursor, at)
-        start = think if think >= 0 and "</think>" in full[think:at] else at
+        start = at
+        if prompt_end is not None:
+            gap = full[prompt_end:at]
+            if not gap.strip() or (gap.startswith("<think>") and gap.rstrip().endswith("</think>")):
+                start = prompt_end
         return start, at + len(answer)
     return None
-
-
-def _after(full: str, text: str, cursor: int) -> int:
-    """The position just after ``text``'s first occurrence at or after ``cursor`` (``cursor`` when absent)."""
-    at = full.find(text, cursor) if text else -1
-    return cursor if at < 0 else at + len(text)
 
 
 def assistant_spans(tokenizer: Any, messages: Sequence[dict],
                     chat_template_kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The full render of a conversation and the character span ``[start, end)`` of each assistant turn in it
-    (its content as the template writes it, plus the end-of-turn marker that follows).
+    (from where its generation prompt ends to the end-of-turn marker after its content).
 
-    Content search is anchored: before an answer, the cursor moves past the user turns before it and the
-    assistant header (so a short answer such as ``no`` is never found inside the question or the header)."""
+    Content search is anchored: before an answer, the cursor moves past the user turns before it and its
+    generation prompt (so a short answer such as ``no`` is never found inside the question or a header)."""
     if any(m["role"] == "assistant" for m in messages[:1]):
         raise UserError("conversation starts with an assistant turn; normalise it first")
     template = str(getattr(tokenizer, "chat_template", "") or "")
     kwargs = dict(chat_template_kwargs or {})
-    header, eot = template_marks(tokenizer, kwargs)
+    tail, eot = template_marks(tokenizer, kwargs)
     if _GENERATION_BLOCK.search(template):
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -123,18 +137,12 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict],
         spans, cursor = [], 0
         for i, m in enumerate(messages):
             if m["role"] in ("user", "tool"):  # system turns are not searched: some templates move them
-                cursor = _after(full, m["content"].strip(), cursor)
+                at = full.find(m["content"].strip(), cursor)
+                cursor = cursor if at < 0 else at + len(m["content"].strip())
                 continue
             if m["role"] != "assistant":
                 continue
-            span = None
-            for h in dict.fromkeys([header, header.split("\n")[0], ""]):  # a header a template varies (Qwen3's think block)
-                at = _after(full, h, cursor)
-                if h and at == cursor:
-                    continue
-                span = _locate(full, m["content"], at)
-                if span is not None:
-                    break
+            span = _locate(full, m["content"], cursor, _prompt_end(full, tail, cursor)) or _locate(full, m["content"], cursor, None)
             if span is None:
                 raise UserError(f"assistant message {i} of this conversation does not appear in the chat template's "
                                 f"render of it ({getattr(tokenizer, 'name_or_path', 'tokenizer')!r}); a template that "
