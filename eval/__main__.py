@@ -33,7 +33,7 @@ def run(cfg: DictConfig) -> dict:
     sets = build_sets(cfg)
     protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""))
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,
-                       tie_ulps=cfg.tie_ulps, prompt_policy=policy)
+                       tie_ulps=cfg.tie_ulps, prompt_policy=policy, chat_template_kwargs=cfg.get("chat_template_kwargs"))
     protocol.update(max_prompt_tokens=policy.limit, truncated_prompts=policy.counts())
     if policy.counts():
         print(f"note: prompts longer than max_prompt_tokens={policy.limit} were truncated from the left: "

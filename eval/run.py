@@ -104,8 +104,10 @@ def protocol_of(cfg: Any, tokenizer: Any, drafters: dict[str, Any], **extra: Any
     return protocol
 
 
-def encode_prompt(tokenizer: Any, messages: list[dict]) -> torch.Tensor:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def encode_prompt(tokenizer: Any, messages: list[dict], chat_template_kwargs: dict | None = None) -> torch.Tensor:
+    """A chat's generation prompt as token ids [T]; ``chat_template_kwargs`` go to the template (``enable_thinking``)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **{str(k): v for k, v in dict(chat_template_kwargs or {}).items()})
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
@@ -113,8 +115,9 @@ def encode_prompt(tokenizer: Any, messages: list[dict]) -> torch.Tensor:
 def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[Any], temperatures: list[float],
              k: int | str = 5, max_new_tokens: int = 128, top_p: float = 1.0, seed: int = 0, eos_token_ids: list[int] | None = None,
              tie_ulps: float | None = None,
-             log=print, prompt_policy: Any = None) -> dict:
-    """``prompt_policy``: over-long prompts (``eval.sets.PromptLengthPolicy``: truncate from the left, counted)."""
+             log=print, prompt_policy: Any = None, chat_template_kwargs: dict | None = None) -> dict:
+    """``prompt_policy``: over-long prompts (``eval.sets.PromptLengthPolicy``: truncate from the left, counted);
+    ``chat_template_kwargs``: options of the target's chat template (``{"enable_thinking": False}``)."""
     if k != "auto" and (not isinstance(k, int) or k < 1):
         raise UserError(f"k={k}: the draft length must be an integer >= 1, or auto")
     wanted = {name: getattr(d, "draft_k", k) for name, d in drafters.items()}
@@ -144,7 +147,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                 for ti, turn in enumerate(conv["turns"]):
                     plain_out, plain_top = None, []
                     msgs = history + [{"role": "user", "content": turn}]
-                    prompt = encode_prompt(tokenizer, msgs)
+                    prompt = encode_prompt(tokenizer, msgs, chat_template_kwargs)
                     if prompt_policy is not None:
                         prompt = prompt_policy(prompt, (pset.name, ci, ti))
                     for name in aggs:

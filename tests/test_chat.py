@@ -213,3 +213,27 @@ def test_template_that_refuses_a_conversation_is_one_user_error():
     tok = real_template_tokenizer("gemma-2")
     with pytest.raises(UserError, match="refused this conversation: System role not supported"):
         tokenize_conversation(tok, CHAT)
+
+
+def test_chat_template_kwargs_reach_training_data_and_eval_prompts(tmp_path):
+    import json
+
+    from hydra.utils import instantiate
+
+    from conftest import compose_train
+    from data.prepare import tokenize_split
+    from eval.run import encode_prompt
+
+    tok = real_template_tokenizer("qwen3")
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"id": f"c{i}", "messages": CHAT[1:]}) + "\n" for i in range(4)))
+    on = tokenize_split(tok, str(src), "all", max_length=None, verbose=False)
+    off = tokenize_split(tok, str(src), "all", max_length=None, verbose=False, chat_template_kwargs={"enable_thinking": False})
+    think = tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    n_on, n_off = sum(on[0]["loss_mask"]), sum(off[0]["loss_mask"])
+    assert n_on == n_off + len(think)  # thinking on: the model writes the empty think block; off: it is in the prompt
+    # the data config's key reaches the datamodule, the eval config's reaches the prompts
+    cfg = compose_train([f"data.source={src}", "data.chat_template_kwargs={enable_thinking: false}"])
+    assert instantiate(cfg.data, tokenizer="embedded").chat_template_kwargs == {"enable_thinking": False}
+    prompt = encode_prompt(tok, CHAT[1:2], {"enable_thinking": False}).tolist()
+    assert prompt[-len(think):] == think and encode_prompt(tok, CHAT[1:2]).tolist() == prompt[:-len(think)]
