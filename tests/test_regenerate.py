@@ -232,3 +232,23 @@ def test_regenerate_through_a_real_openai_compatible_server(tmp_path, served_tar
     assert "3 already done, 0 to do" in capsys.readouterr().out and read_shards(out) == before
     with pytest.raises(UserError, match=r"endpoint .*/chat/completions answered HTTP 400"):
         run(compose_regen(regen_overrides(target, chats, tmp_path / "other", *over, "model=not-served")))
+
+
+def test_bench_regen_writes_its_json(tmp_path, tiny_target_dir):
+    from hydra import compose, initialize_config_dir
+
+    from conftest import ROOT, write_tiny_chats
+    from eval.bench_regen import run
+
+    chats = write_tiny_chats(tmp_path / "chats.jsonl", n=4)
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("bench_regen", overrides=[f"target.name_or_path={tiny_target_dir}", "target.dtype=float32",
+                                                f"data.source={chats}", "data.heldout_fraction=0.0", "conversations=3",
+                                                "max_new_tokens=4", "batch_size=2", "modes=[in_process]",
+                                                f"out_dir={tmp_path / 'bench'}", "device=cpu"])
+    report = run(cfg)
+    saved = json.loads((tmp_path / "bench" / "bench_regen.json").read_text())
+    assert saved["results"] == report["results"] and saved["machine"]["cpus"] >= 1 and saved["date"]
+    r = saved["results"]["in_process"]
+    assert r["conversations"] == 3 and r["answer_tokens"] > 0
+    assert abs(r["conversations_per_hour"] - 3 / r["wall_s"] * 3600) <= 0.01 * r["conversations_per_hour"] + 0.1
