@@ -401,7 +401,7 @@ def metrics_of(results: dict) -> dict[str, float]:
 
 def log_results(node: Any, results: dict, protocol: dict) -> None:
     """Send the figures and the protocol to the configured logger (``logger=csv|tensorboard|wandb``, as training
-    does; ``logger=null``: the files alone)."""
+    does; ``~logger``: the files alone)."""
     if not node:
         return
     logger = instantiate(node)
