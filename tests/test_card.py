@@ -14,7 +14,7 @@ from test_formats import make_head
 
 from data.errors import UserError
 from models.heads.base import FORMAT
-from train.card import card_text, folder_facts, run_facts, write_card
+from train.card import SETS, card_text, folder_facts, run_facts, write_card
 
 
 def evaluation(heads: list[str], seed: float = 0.0) -> dict:
@@ -56,7 +56,7 @@ def test_card_says_what_the_report_and_evaluation_hold(tmp_path):
     for s, per_set in ev["results"].items():
         for temp, per_t in per_set.items():
             r = per_t["head"]
-            assert f"| {s} | {temp[2:]} | {r['tau']:.2f} | {r['speedup']:.2f}× |" in text
+            assert f"| {SETS[s]} | {temp[2:]} | {r['tau']:.2f} | {r['speedup']:.2f}× |" in text
     # EAGLE-3 is served by both engines: export lines, then vLLM's and SGLang's
     assert "format=speculators" in text and "vllm serve some/target --speculative-config" in text
     assert '"method": "eagle3"' in text and "--speculative-algorithm EAGLE3" in text and "format=sglang" in text
@@ -65,10 +65,10 @@ def test_card_says_what_the_report_and_evaluation_hold(tmp_path):
 
 def test_families_no_engine_serves_say_so(tmp_path):
     text = card_text(tmp_path / "m", {"family": "medusa", "target": {"name_or_path": "t"}, "format": "draftsmith",
-                                      "tap_layers": [5], "init_args": {}}, REPORT)
+                                      "reads": "the final-norm state", "init_args": {}}, REPORT)
     assert "not servable by vLLM/SGLang" in text and "vllm serve" not in text and "sglang" not in text
     dflash = card_text(tmp_path / "d", {"family": "dflash", "target": {"name_or_path": "t"}, "format": "draftsmith",
-                                        "tap_layers": [1], "init_args": {}}, REPORT)
+                                        "reads": "tap layers [1]", "init_args": {}}, REPORT)
     assert "--speculative-algorithm DFLASH" in dflash and "vllm serve" in dflash and "EAGLE3" not in dflash
 
 
@@ -81,7 +81,7 @@ def test_an_evaluation_of_several_heads_needs_the_drafter_named(tmp_path):
     with pytest.raises(UserError, match="drafter=c: not in the evaluation"):
         write_card(folder, drafter="c")
     text = write_card(folder, drafter="b").read_text()
-    assert f"| mtbench | 0 | {ev['results']['mtbench']['T=0']['b']['tau']:.2f} |" in text
+    assert f"| MT-Bench | 0 | {ev['results']['mtbench']['T=0']['b']['tau']:.2f} |" in text
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from data.errors import UserError, atomic_file, cli, run_main
 
 FAMILY_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1", "mtp": "MTP", "medusa": "Medusa", "dflash": "DFlash",
                 "dspark": "DSpark"}
+SETS = {"mtbench": "MT-Bench", "humaneval": "HumanEval", "sharegpt": "ShareGPT held-out"}
 BASELINES = ("plain", "ngram", "draft_model")  # drafters of an evaluation that are not the head
 SGLANG_ALGORITHM = {"sglang": "EAGLE3", "dflash": "DFLASH"}  # our format= name -> SGLang's --speculative-algorithm
 
@@ -44,8 +45,20 @@ def folder_facts(folder: Path) -> dict:
     fmt = detect_format(folder)
     own = raw.get("draftsmith") or raw
     family, target = draft_family(folder)
-    return {"family": family, "target": target, "format": fmt or "draftsmith", "tap_layers": own.get("tap_layers"),
+    return {"family": family, "target": target, "format": fmt or "draftsmith", "reads": reads(own),
             "init_args": own.get("init_args") or {}, "num_steps": own.get("num_steps")}
+
+
+def reads(own: dict) -> str:
+    """Which target states the head reads: its tap layers, or the final-norm state for heads that read no taps."""
+    import importlib
+
+    mod, _, name = str(own.get("class", "")).rpartition(".")
+    try:
+        taps = getattr(importlib.import_module(mod), name).reads_taps
+    except (ImportError, AttributeError, ValueError):
+        taps = True
+    return f"tap layers {own.get('tap_layers')}" if taps else "the final-norm state"
 
 
 def run_facts(src: Path) -> dict:
@@ -128,12 +141,12 @@ def card_text(folder: Path, facts: dict, run: dict, evaluation: dict | None = No
     title = f"# {folder.name}: {FAMILY_NAMES.get(family, family)} draft head for `{target}`"
     out = [title, "", f"Speculative-decoding draft head trained with draftsmith (family `{family}`, "
            f"{'our own format' if facts['format'] == 'draftsmith' else facts['format'] + ' format'}; "
-           f"tap layers {facts['tap_layers']}). It drafts tokens for the frozen target `{target}`, which verifies "
+           f"reads {facts['reads']}). It drafts tokens for the frozen target `{target}`, which verifies "
            "them: the output is the target's own (lossless).", "", "## Recipe", ""]
     draft = (tc.get("draft") or {}) if tc else {}
     args = draft or facts["init_args"]
     out.append(f"- draft: `{json.dumps({k: v for k, v in args.items() if v is not None and k != '_target_'})}`")
-    for key, label in (("name", "run"), ("init_from", "continued from"), ("time_budget_s", "time budget (s)")):
+    for key, label in (("init_from", "continued from"), ("time_budget_s", "time budget (s)")):
         if tc.get(key) is not None:
             out.append(f"- {label}: `{tc[key]}`")
     data = tc.get("data") or {}
@@ -176,7 +189,7 @@ def card_text(folder: Path, facts: dict, run: dict, evaluation: dict | None = No
                 r = per_t.get(name)
                 if r:
                     pos = " / ".join(_f(a, 2) for a in r.get("acceptance_per_position", [])[:6])
-                    out.append(f"| {set_name} | {temp[2:]} | {_f(r.get('tau'), 2)} | {_f(r.get('speedup'), 2)}× | {pos} |")
+                    out.append(f"| {SETS.get(set_name, set_name)} | {temp[2:]} | {_f(r.get('tau'), 2)} | {_f(r.get('speedup'), 2)}× | {pos} |")
     out += ["", "## Use", "", "```bash",
             f"python -m eval \"+drafters.head={{_target_: eval.decoding.drafters.load_head, path: {folder}}}\""]
     serve = serving_lines(family, str(folder), facts["format"], serving_target(target), facts.get("num_steps"))
