@@ -69,3 +69,22 @@ def test_the_committed_pages_are_in_sync_with_their_json():
     done = subprocess.run([sys.executable, "-m", "eval.results", "check=true"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+def test_check_exits_1_with_one_line_when_a_page_drifts(tmp_path):
+    src = tmp_path / "results"
+    src.mkdir()
+    (src / "b.json").write_text(json.dumps(TABLE))
+    out = page(tmp_path / "results.md")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "eval.results", f"src={src}", f"out={out}", "readme=null"]
+    stale = subprocess.run([*args, "check=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert stale.returncode == 1 and len(stale.stderr.strip().splitlines()) == 1 and str(out) in stale.stderr
+    assert "stale" in out.read_text()  # check wrote nothing
+    assert subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).returncode == 0
+    again = subprocess.run([*args, "check=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    (src / "c.json").write_text("{not json")
+    bad = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "c.json" in lines[0]
