@@ -21,7 +21,7 @@ from data.errors import cli, instantiate, run_main
 
 def run(cfg: DictConfig) -> dict:
     from eval.decoding.drafters import build_drafter
-    from eval.run import build_sets, count_defects, evaluate, protocol_of, write_report
+    from eval.run import Journal, build_sets, count_defects, evaluate, log_results, protocol_of, write_report
     from models.target import load_tokenizer
     target = instantiate(cfg.target)
     tok = load_tokenizer(cfg.target.name_or_path)
@@ -32,13 +32,16 @@ def run(cfg: DictConfig) -> dict:
                                 cfg.max_new_tokens, max([draft_room(d, cfg.k) for d in drafters.values()] or [draft_room(None, cfg.k)]))
     sets = build_sets(cfg)
     protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""))
+    journal = Journal(Path(cfg.out_dir) / "journal.jsonl", protocol, bool(cfg.get("resume", False)))
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,
-                       tie_ulps=cfg.tie_ulps, prompt_policy=policy, chat_template_kwargs=cfg.get("chat_template_kwargs"))
+                       tie_ulps=cfg.tie_ulps, prompt_policy=policy, journal=journal,
+                       chat_template_kwargs=cfg.get("chat_template_kwargs"))
     protocol.update(max_prompt_tokens=policy.limit, truncated_prompts=policy.counts())
     if policy.counts():
         print(f"note: prompts longer than max_prompt_tokens={policy.limit} were truncated from the left: "
               + ", ".join(f"{n} in {s}" for s, n in policy.counts().items()))
     table = write_report(results, protocol, Path(cfg.out_dir))
+    log_results(cfg.get("logger"), results, protocol)
     print(table)
     print(f"wrote {cfg.out_dir}/results.json, results.md, acceptance.png")
     defects = count_defects(results)
