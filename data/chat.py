@@ -11,13 +11,15 @@ The whole conversation is rendered once and tokenised once (with character offse
 that rewrite earlier turns when a turn is added work as well as those that only append: Qwen3 (the
 empty think block only on the last answer, earlier reasoning stripped), reasoning distills (reasoning
 stripped from every answer) and templates that move the system prompt (Mistral's v3, onto the last user
-turn). Each assistant message is located in the render, in order, searching forward from the previous
-one: by the template's ``{% generation %}`` blocks where it has them (``return_assistant_tokens_mask``
-in transformers), else by the message's content as the template writes it (verbatim, trimmed, or its
-answer after ``</think>`` with the reasoning in front of it when the template keeps that). The
-end-of-turn marker is what the template writes after an answer, read from a one-turn probe render.
-A token is masked when its characters overlap an answer span: a token that straddles the boundary
-(``" Paris"`` after Mistral's ``[/INST]``) is one the model emits.
+turn). Each assistant turn is located in the render, in order, searching forward from the previous one:
+by the template's ``{% generation %}`` blocks where it has them (``return_assistant_tokens_mask`` in
+transformers), else from where its generation prompt ends (the text a generation prompt writes after a
+user turn, read from a probe render) to the message's content as the template writes it (verbatim,
+trimmed, or its answer after ``</think>``). What lies between the two is the model's too when it is
+whitespace (Mistral's space after ``[/INST]``) or a think block (Qwen3's, empty or holding the reasoning
+of the last answer); then the end-of-turn marker the template writes after an answer (also read from a
+probe render). A token is masked when its characters overlap an answer span, so the tokens before the
+last answer are exactly its prompt at inference (``add_generation_prompt``; tested per template).
 """
 from __future__ import annotations
 

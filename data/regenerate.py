@@ -366,11 +366,21 @@ def main(cfg: DictConfig) -> None:
     run(cfg)
 
 
-def progress_bar(total: int, done: int):
-    """tqdm over conversations: count, conversations/s and time left."""
-    from tqdm import tqdm
+class ConversationProgress:
+    """Conversations done, conversations/s and time left (:class:`data.progress.Progress`: a tqdm bar on a terminal,
+    a line every 30 s on a pipe or a log)."""
 
-    return tqdm(total=total, unit="conv", desc=f"regenerate ({done} done before)", dynamic_ncols=True, smoothing=0.1)
+    def __init__(self, total: int):
+        from data.progress import Progress
+
+        self.p, self.t0 = Progress(total, "regenerate", unit="conv"), time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        rate = (self.p.n + n) / max(time.perf_counter() - self.t0, 1e-9)
+        self.p.update(n, note=f"{rate:.2f} conv/s")
+
+    def close(self) -> None:
+        self.p.close()
 
 
 def run(cfg: DictConfig) -> Path:
@@ -422,7 +432,7 @@ def run(cfg: DictConfig) -> Path:
             for c in part:
                 f.write(json.dumps({"id": c["id"], "messages": c["messages"]}, ensure_ascii=False) + "\n")
 
-    bar = progress_bar(len(todo), len(done))
+    bar = ConversationProgress(len(todo))
     try:
         if endpoint is not None:
             pending: list[tuple[int, dict]] = []
