@@ -385,7 +385,7 @@ class ConversationProgress:
 
 def run(cfg: DictConfig) -> Path:
     """Regenerate into ``cfg.out_dir`` (shards; finished ids skipped) → that directory."""
-    from models.target import load_tokenizer
+    from models.target import load_tokenizer, resolve_device
 
     if cfg.temperature < 0:
         raise UserError(f"temperature={cfg.temperature}: must be >= 0")
@@ -397,6 +397,7 @@ def run(cfg: DictConfig) -> Path:
         raise UserError("shard_size and concurrency must be >= 1")
     kwargs = template_kwargs(cfg.get("chat_template_kwargs"))
     out_dir = Path(cfg.out_dir)
+    device = None if cfg.get("endpoint") else resolve_device(cfg.device)
     endpoint = Endpoint(cfg.endpoint, cfg.get("model"), cfg.get("timeout_s", 600)) if cfg.get("endpoint") else None
     settings = settings_of(cfg)
     if endpoint is not None:
@@ -454,9 +455,8 @@ def run(cfg: DictConfig) -> Path:
         else:
             from transformers import AutoModelForCausalLM
 
-            from models.target import resolve_device, resolve_dtype, resolve_path
+            from models.target import resolve_dtype, resolve_path
 
-            device = resolve_device(cfg.device)
             model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.target.name_or_path),
                                                          dtype=resolve_dtype(cfg.target.dtype)).eval().to(device)
             torch.manual_seed(cfg.seed)
