@@ -102,6 +102,9 @@ class DraftDataModule(L.LightningDataModule):
             return
         from data.regenerate import make_source
 
+        if self.chat_template_kwargs and "chat_template_kwargs" not in settings:  # answers made as the training data renders
+            settings["chat_template_kwargs"] = self.chat_template_kwargs
+
         if int(os.environ.get("LOCAL_RANK", "0")) or int(os.environ.get("NODE_RANK", "0")):
             raise UserError(f"data.source: {file} is missing; make it on one process first (python -m train "
                             "on one device, or python -m data.regenerate with data.make's keys)")

@@ -252,3 +252,13 @@ def test_bench_regen_writes_its_json(tmp_path, tiny_target_dir):
     r = saved["results"]["in_process"]
     assert r["conversations"] == 3 and r["answer_tokens"] > 0
     assert abs(r["conversations_per_hour"] - 3 / r["wall_s"] * 3600) <= 0.01 * r["conversations_per_hour"] + 0.1
+
+
+def test_settings_become_overrides_hydra_reads_back():
+    from data.regenerate import flat, override_value
+
+    settings = {"target": {"name_or_path": "x"}, "chat_template_kwargs": {"enable_thinking": False}, "max_turns": None}
+    over = [f"{k}={override_value(v)}" for k, v in flat(settings).items()]
+    assert over == ["target.name_or_path=x", "chat_template_kwargs={enable_thinking:false}", "max_turns=null"]
+    cfg = compose_regen(over)
+    assert cfg.chat_template_kwargs == {"enable_thinking": False} and cfg.max_turns is None
