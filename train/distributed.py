@@ -127,11 +127,24 @@ def export_head(head: nn.Module, out_dir: Any, train_config: dict | None, rank_z
         return None
     if not sharded:
         return head.export(out_dir, train_config=train_config)
-    head.__dict__["state_dict"] = lambda *a, **k: state  # export reads the gathered tensors, this once
+    # export reads the gathered tensors and names the head's own class (fully_shard makes it an FSDP<Class>), this once
+    sharded_cls = type(head)
+    head.__dict__["state_dict"] = lambda *a, **k: state
+    head.__class__ = unsharded_class(sharded_cls)
     try:
         return head.export(out_dir, train_config=train_config)
     finally:
+        head.__class__ = sharded_cls
         del head.__dict__["state_dict"]
+
+
+def unsharded_class(cls: type) -> type:
+    """The module's own class behind FSDP2's ``FSDP<Class>`` (``cls`` itself when it is not one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not issubclass(cls, FSDPModule):
+        return cls
+    return next(c for c in cls.__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
 
 
 def rng_states_of_all_ranks(states: dict) -> list[dict]:
