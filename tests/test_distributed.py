@@ -246,3 +246,43 @@ def test_rank_refuses_another_runs_lock(tmp_path, monkeypatch):
         other.wait()
     with pytest.raises(UserError, match="found no lock"):
         join_run_lock(tmp_path / "none", rank=1, timeout_s=0.5)
+
+
+def test_fsdp_config_wraps_decoder_layers_and_the_head(tmp_path):
+    """conf/trainer/fsdp.yaml builds the draft strategy; its policy, resolved from the module, names the target's
+    decoder-layer class and the head's class (nothing else is a unit: the rest is the root)."""
+    from hydra import compose, initialize_config_dir
+
+    from data.errors import instantiate
+    from models.heads.eagle3 import Eagle3Head
+    from models.target import FrozenTarget
+    from train.distributed import DraftFSDPStrategy
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=fsdp", f"run_dir={tmp_path}"])
+    strategy = instantiate(cfg.trainer.strategy)
+    assert isinstance(strategy, DraftFSDPStrategy) and strategy.kwargs["use_orig_params"] is True
+    assert "auto_wrap_policy" not in strategy.kwargs  # resolved from the target when the model is set up
+    target = FrozenTarget(model=tiny_model("qwen3"), dtype="float32", fast_linear=False)
+    head = Eagle3Head(target, ttt_steps=2, draft_vocab_size=64)
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.target, self.head = target, head
+
+    seen = {}
+
+    def fake_setup(self, model):  # Lightning's wrapping (GPUs only) replaced by recording the policy it would get
+        seen["policy"] = self.kwargs["auto_wrap_policy"]
+        return model
+
+    parent = DraftFSDPStrategy.__mro__[1]
+    original = parent._setup_model
+    parent._setup_model = fake_setup
+    try:
+        strategy._setup_model(Module())
+    finally:
+        parent._setup_model = original
+    names = {c.__name__ for c in seen["policy"]._module_classes}
+    assert names == {"Qwen3DecoderLayer", "Eagle3Head"}
