@@ -142,8 +142,10 @@ class DraftDataModule(L.LightningDataModule):
     def _loader(self, ds, shuffle: bool) -> torch.utils.data.DataLoader:
         g = torch.Generator().manual_seed(self.seed)  # its own generator: making an iterator draws no global random number
         pad = self.tokenizer.pad_token_id or 0
-        if shuffle and (self.trainer is None or self.trainer.world_size == 1):
-            return ResumableLoader(ds, self._progress, batch_size=self.batch_size, sampler=EpochSampler(len(ds), self.seed),
+        if shuffle:
+            rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+            sampler = EpochSampler(len(ds), self.seed, rank=rank, world_size=world)
+            return ResumableLoader(ds, self._progress, batch_size=self.batch_size, sampler=sampler,
                                    generator=g, num_workers=self.num_workers, collate_fn=lambda rows: collate(rows, pad))
         return torch.utils.data.DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, generator=g,
                                            num_workers=self.num_workers, collate_fn=lambda rows: collate(rows, pad))
@@ -160,23 +162,29 @@ class DraftDataModule(L.LightningDataModule):
         return self._loader(self._val, shuffle=False)
 
 
-class EpochSampler(torch.utils.data.Sampler):
+class EpochSampler(torch.utils.data.distributed.DistributedSampler):
     """A shuffle whose order in epoch ``e`` depends on (seed, e) only, and that can start mid-epoch: the data
-    position of a resumed run (Lightning sets the epoch; :class:`ResumableLoader` the batches to skip)."""
+    position of a resumed run (Lightning sets the epoch; :class:`ResumableLoader` the batches to skip). With
+    ``world_size`` > 1 rank r takes every world_size-th sample of that order from r (the order padded by its own
+    head to a multiple of world_size, as torch's DistributedSampler does); being a DistributedSampler, Lightning
+    keeps it instead of wrapping it in one whose position a checkpoint cannot restore."""
 
-    def __init__(self, n: int, seed: int = 0):
+    def __init__(self, n: int, seed: int = 0, rank: int = 0, world_size: int = 1):
+        super().__init__(range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         self.n, self.seed, self.epoch = n, seed, 0
-        self.resume: tuple[int, int] | None = None  # (epoch, samples to skip in it), used once
+        self.resume: tuple[int, int] | None = None  # (epoch, samples of this rank to skip in it), used once
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
-        return self.n
+        return -(-self.n // self.num_replicas)
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.n, generator=g).tolist()
+        if self.num_replicas > 1:
+            order = (order + order[:len(self) * self.num_replicas - self.n])[self.rank::self.num_replicas]
         skip = self.resume[1] if self.resume is not None and self.resume[0] == self.epoch else 0
         self.resume = None
         yield from order[skip:]
@@ -185,7 +193,7 @@ class EpochSampler(torch.utils.data.Sampler):
 class ResumableLoader(torch.utils.data.DataLoader):
     """The training loader with Lightning's ``state_dict``/``load_state_dict`` interface: checkpoints record
     the epoch and the batches completed in it, and a resumed run continues with the next batch (no
-    batch seen twice or skipped, the same order as an uninterrupted run). Single process only."""
+    batch seen twice or skipped, the same order as an uninterrupted run), on every rank."""
 
     def __init__(self, dataset, progress, **kw):
         super().__init__(dataset, **kw)

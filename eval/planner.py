@@ -10,6 +10,15 @@ attention tile rule keeps G·(1+D) <= 128 (NVIDIA, 2026). With per-position acce
 ``python -m eval`` it predicts τ(D) = 1 + Σ_{k<=D} Π_{j<=k} a_j and the free-draft bound
 τ(D)·T(1)/T(1+D), recommends the D that maximises it within the tile rule, and reports the realised
 speed-up beside it. Writes ``planner.json`` in the run directory.
+
+``plan=true`` plans a training run before launch instead (:mod:`train.plan`; nothing is measured, no weights read):
+
+    python -m eval.planner plan=true target=hf target.name_or_path=/models/Qwen3-8B draft=eagle3 trainer=fsdp devices=8 \
+        batch_size=4 seq_len=2048 tokens=500000000 throughput=runs/bench/bench_train.json
+
+builds the target from its ``config.json`` and the draft on the meta device and prints parameters, bytes per
+device (weights, gradients, AdamW state, an activation estimate) replicated (trainer=gpu|ddp) and sharded (fsdp),
+the feature cache's bytes per token and for ``tokens``, and hours from a measured throughput; writes ``plan.json``.
 """
 from __future__ import annotations
 
@@ -66,6 +75,14 @@ def read_acceptance(path: str, drafter: str, set_name: str | None, temperature: 
 @hydra.main(config_path="../conf", config_name="planner", version_base="1.3")
 @cli
 def main(cfg: DictConfig) -> None:
+    if cfg.get("plan"):
+        from train.plan import build_plan, table
+
+        result = build_plan(cfg)
+        print(table(result))
+        write_json(Path(cfg.out_dir) / "plan.json", result)
+        print(f"wrote {Path(cfg.out_dir) / 'plan.json'}")
+        return
     device = str(resolve_device(cfg.device))
     # the acceptance file is checked before minutes of benchmark
     acc, row = (read_acceptance(cfg.acceptance, cfg.drafter, cfg.get("set"), cfg.temperature) if cfg.acceptance else (None, {}))

@@ -24,13 +24,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.errors import UserError, atomic_file, cli, run_main, write_json
 from train.build import build, instantiate, resolve_ckpt
-from train.rundir import RunLock, sweep_leftovers
+from train.distributed import export_head, full_parameters
+from train.rundir import RunLock, join_run_lock, sweep_leftovers
 
 
 def run(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.run_dir)
-    if int(os.environ.get("LOCAL_RANK", 0)) or int(os.environ.get("RANK", 0)):
-        return _run(cfg, run_dir)  # the other ranks of a multi-process run: rank 0 holds the lock
+    rank = int(os.environ.get("RANK", 0)) or int(os.environ.get("LOCAL_RANK", 0))
+    if rank:
+        join_run_lock(run_dir, rank)  # the other ranks of a multi-process run: rank 0 of this launch holds the lock
+        return _run(cfg, run_dir)
     with RunLock(run_dir):
         sweep_leftovers(run_dir)
         return _run(cfg, run_dir)
@@ -146,9 +149,11 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(run_dir))
     trainer.fit(module, dm, ckpt_path=ckpt)
     best = next((c.best_model_path for c in callbacks if isinstance(c, L.pytorch.callbacks.ModelCheckpoint) and c.best_model_path), "")
-    if best and cfg.export_best:
-        state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
-        module.load_state_dict(state, strict=False)
+    with full_parameters(trainer.strategy.model, writeback=True):  # FSDP: the full head on every rank (all ranks enter)
+        if best and cfg.export_best:
+            state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
+            module.load_state_dict(state, strict=False)
+        out = export_head(head, run_dir / "draft", resolved, trainer.is_global_zero)
     val = {**module.loaded_val_metrics,  # a resumed run that validates no more keeps the checkpoint's
            **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}}
     result = {"run_dir": str(run_dir), "global_step": trainer.global_step, "best_checkpoint": best,
@@ -156,7 +161,6 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
               "trainable_params": sum(p.numel() for p in head.parameters() if p.requires_grad),
               "train_tokens": module.train_tokens, **val}
     if trainer.is_global_zero:
-        out = head.export(run_dir / "draft", train_config=resolved)
         result["export"] = str(out)
         write_json(run_dir / "result.json", result)
         print(json.dumps(result, indent=2))

@@ -38,6 +38,15 @@ class LastCheckpoint(Checkpoint):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.save(trainer)
 
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """The logger's step counter as a resumed run needs it. Lightning counts a batch for the loggers only after
+        its validation, and a checkpoint written there (a completed batch) is restored as if written after the count:
+        a run resumed from it logged every step one lower than an uninterrupted run (Lightning 2.6)."""
+        loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        done, state = loop.get("epoch_loop.batch_progress", {}).get("total", {}), loop.get("epoch_loop.state_dict")
+        if state is not None and done and done.get("completed") == done.get("processed") and trainer.accumulate_grad_batches == 1:
+            state["_batches_that_stepped"] = trainer.global_step
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         n = self.every_n_train_steps
         if n > 0 and trainer.global_step % n == 0:

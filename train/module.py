@@ -16,6 +16,7 @@ import torch
 
 from models.layers import expected_acceptance_length
 from models.target import TargetOutput
+from train.distributed import rng_state_of_this_rank, rng_states_of_all_ranks
 from train.schedule import warmup_cosine, warmup_cosine_by
 
 
@@ -143,12 +144,13 @@ class DraftModule(L.LightningModule):
         ckpt["val_metrics"] = {**self.loaded_val_metrics,
                                **{k: float(v) for k, v in metrics.items() if k.startswith("val/")}}
         ckpt["rng_states"] = rng_states()
+        ckpt["rng_states_per_rank"] = rng_states_of_all_ranks(ckpt["rng_states"])  # Lightning writes rank 0's file only
 
     def on_load_checkpoint(self, ckpt: dict) -> None:
         self._time_before = float(ckpt.get("train_time_s", 0.0))
         self.train_tokens = int(ckpt.get("train_tokens", 0))
         self.loaded_val_metrics = dict(ckpt.get("val_metrics") or {})
-        self._rng_to_restore = ckpt.get("rng_states")
+        self._rng_to_restore = rng_state_of_this_rank(ckpt)
 
 
 def with_feature_noise(feats: TargetOutput, std: float) -> TargetOutput:

@@ -38,7 +38,8 @@ class RunLock:
     def __init__(self, run_dir: str | Path, what: str = "run_dir"):
         self.dir, self.what = Path(run_dir), what
         self.path = self.dir / LOCK
-        self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                     "launch": launch_id()}  # the other ranks of this launch join it (join_run_lock)
         self.held = False
 
     def _holder(self) -> dict | None:
@@ -90,6 +91,49 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def launch_id() -> str | None:
+    """What every process of one multi-process launch shares and another launch does not: torchrun's run id, or
+    SLURM's job and step; None for a plain process (Lightning's own launcher starts ranks > 0 as children of rank 0,
+    which :func:`join_run_lock` recognises by the parent pid)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun:{os.environ['TORCHELASTIC_RUN_ID']}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm:{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '')}"
+    return None
+
+
+def join_run_lock(run_dir: str | Path, rank: int, timeout_s: float = 300.0, what: str = "run_dir") -> dict:
+    """A rank > 0 takes part in rank 0's lock instead of taking its own: it waits (up to ``timeout_s``) for the lock
+    of rank 0 of the same launch (its parent process under Lightning's launcher, or the same torchrun/SLURM launch)
+    and refuses a lock held by another run. Returns the holder's record."""
+    path = Path(run_dir) / LOCK
+    mine, parent = launch_id(), os.getppid()
+    deadline = time.monotonic() + timeout_s
+    holder = None
+    while time.monotonic() < deadline:
+        try:
+            holder = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):  # not taken yet, or being written
+            holder = None
+        if isinstance(holder, dict):
+            ours = (mine is not None and holder.get("launch") == mine) or (
+                holder.get("pid") == parent and holder.get("host") == socket.gethostname())
+            if ours:
+                return holder
+            stale = holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) and not pid_alive(holder["pid"])
+            if stale:  # a killed run's: rank 0 takes it over
+                time.sleep(0.2)
+                continue
+            if holder.get("launch") is not None or mine is None:  # another launch's lock, or not rank 0 of ours
+                pid, host = holder.get("pid"), holder.get("host")
+                raise UserError(f"{what}={run_dir} is in use by pid {pid} on {host} (since {holder.get('started')}; lock "
+                                f"{path}), not by rank 0 of this launch (rank {rank}); wait for it, or choose another "
+                                "name=/run_dir=")
+        time.sleep(0.2)
+    raise UserError(f"{what}={run_dir}: rank {rank} found no lock of this launch's rank 0 at {path} within {timeout_s:.0f} s "
+                    "(rank 0 failed to start, or the ranks do not share the run folder)")
 
 
 def sweep_leftovers(folder: str | Path, names: list[str] | None = None) -> list[Path]:
