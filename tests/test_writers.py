@@ -285,3 +285,44 @@ def test_curve_recomputes_a_point_whose_settings_changed(world, tmp_path, monkey
         code, err = invoke("eval.curve", base + more, tmp_path, capsys)
         assert code == 0, err[-2000:]
         assert trained == want
+
+
+@pytest.mark.parametrize("damage", ["truncated-weights", "no-tokenizer", "no-record"])
+def test_damaged_gguf_conversion_is_converted_again(tmp_path, monkeypatch, damage, capsys):
+    """A converted folder with truncated weights or a missing tokenizer made every run end in a traceback."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from tests.test_gguf import write_tiny_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models import gguf as mg
+
+    path = write_tiny_gguf(tmp_path / "tiny.F32.gguf")[0]
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    out = mg.converted_dir(path)
+    if damage == "truncated-weights":
+        w = out / "model.safetensors"
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    elif damage == "no-tokenizer":
+        (out / "tokenizer.json").unlink()
+    else:
+        (out / "draftsmith_gguf.json").write_text('{"source": ')
+    assert mg.intact(out) is not None
+    assert mg.converted_dir(path) == out and mg.intact(out) is None
+    assert "converting again" in capsys.readouterr().out
+    AutoModelForCausalLM.from_pretrained(out)
+    AutoTokenizer.from_pretrained(out)
+    assert [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+def test_gguf_conversion_into_an_unwritable_cache_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from tests.test_gguf import write_tiny_gguf
+
+    from data.errors import UserError
+    from models import gguf as mg
+
+    path = write_tiny_gguf(tmp_path / "tiny.F32.gguf")[0]
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(UNWRITABLE))
+    with pytest.raises(UserError, match="cache folder .*gguf.*DRAFTSMITH_CACHE"):
+        mg.converted_dir(path)

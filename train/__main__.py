@@ -122,13 +122,16 @@ def _int(v: Any) -> bool:
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Values read before anything is built, each a one-line UserError: ``seed`` an integer >= 0,
-    ``stop_at_step`` null or >= 1, ``draft.draft_vocab_size`` null or >= 1."""
+    """Values read before anything is built or written, each a one-line UserError: ``seed`` an integer >= 0,
+    ``stop_at_step`` null or >= 1, ``stop_at_s`` null or > 0, ``draft.draft_vocab_size`` null or >= 1."""
     if not _int(cfg.seed) or cfg.seed < 0:
         raise UserError(f"seed={cfg.seed}: an integer >= 0")
     step = cfg.get("stop_at_step")
     if step is not None and (not _int(step) or step < 1):
         raise UserError(f"stop_at_step={step}: the global step after which this process stops, an integer >= 1 (or null)")
+    secs = cfg.get("stop_at_s")
+    if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or secs <= 0):
+        raise UserError(f"stop_at_s={secs}: seconds of training after which this process stops, a number > 0")
     vocab = (cfg.get("draft") or {}).get("draft_vocab_size")
     if vocab is not None and (not _int(vocab) or vocab < 1):
         raise UserError(f"draft.draft_vocab_size={vocab}: the number of target tokens the head drafts, an integer >= 1 "
@@ -237,8 +240,6 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     if cfg.get("time_budget_s"):
         callbacks.append(TimeBudget(cfg.time_budget_s))
     if cfg.get("stop_at_s") is not None:
-        if not isinstance(cfg.stop_at_s, (int, float)) or cfg.stop_at_s <= 0:
-            raise UserError(f"stop_at_s={cfg.stop_at_s}: seconds of training after which this process stops, a number > 0")
         callbacks.append(TimeBudget(cfg.stop_at_s))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(run_dir))
