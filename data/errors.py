@@ -116,7 +116,8 @@ def public(path: str | Path) -> Path:
 
 @contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `final` (never a half-written output)."""
+    """Yield a temporary sibling directory; on success it replaces `final` (never a half-written output), every
+    file and folder in it with the mode the umask allows."""
     import shutil
 
     final = Path(final)
@@ -128,6 +129,9 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for p in tmp.rglob("*"):  # safetensors' save_file, like tempfile, writes its files private (0600)
+        if not p.is_symlink():
+            public(p)
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():
         os.replace(final, old)
