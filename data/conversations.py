@@ -300,7 +300,7 @@ def load_conversations(source: Source = "sharegpt", split: str = "train", heldou
 
     import datasets
 
-    from data.errors import cache_folder, public
+    from data.errors import cache_folder, public, unwritable
 
     if split not in ("train", "heldout", "all"):
         raise UserError(f"split={split!r}: use train, heldout or all")
@@ -321,8 +321,8 @@ def load_conversations(source: Source = "sharegpt", split: str = "train", heldou
 
     ds = None
     if target.exists():
-        try:
-            ds = datasets.load_from_disk(str(target))
+        try:  # a cache that cannot be written is read into memory: what is computed from it is not written beside it
+            ds = datasets.load_from_disk(str(target), keep_in_memory=unwritable(target) is not None)
             info = ds.info.description
             ds = select(ds)
         except Exception as e:  # noqa: BLE001 - a damaged entry (killed mid-write, truncated, emptied): rebuilt

@@ -212,11 +212,14 @@ def test_unwritable_cache_is_one_line(tiny_chats, tmp_path, monkeypatch, where):
 
 
 def test_read_only_cache_serves_what_it_holds_and_refuses_a_new_entry(tiny_chats, tmp_path, monkeypatch):
-    """A cache whose folder cannot be written: a held entry loads with any held-out fraction (the split is kept in
-    memory, nothing is written); a new source is one line naming the folder."""
+    """A cache whose folder cannot be written: a held entry loads, with any held-out fraction and tokenised with a
+    new max_length, and nothing is written beside it (it is read into memory); a new source is one line naming the
+    folder."""
     import data.errors as errors
+    from conftest import make_tokenizer
     from data.conversations import load_conversations
     from data.errors import UserError
+    from data.prepare import tokenize_split
 
     load_conversations(str(tiny_chats), "train", 0.2, cache_dir=tmp_path, verbose=False)
     entries = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
@@ -225,6 +228,8 @@ def test_read_only_cache_serves_what_it_holds_and_refuses_a_new_entry(tiny_chats
     os.chmod(tmp_path / "conversations", 0o555)
     try:
         assert len(load_conversations(str(tiny_chats), "heldout", 0.3, cache_dir=tmp_path, verbose=False)) > 0
+        monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+        assert len(tokenize_split(make_tokenizer("embedded"), str(tiny_chats), "train", 0.2, max_length=40, verbose=False))
         assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == entries  # nothing written
         other = tmp_path.parent / f"{tmp_path.name}-other.jsonl"
         other.write_text(tiny_chats.read_text().splitlines()[0] + "\n")
