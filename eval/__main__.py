@@ -6,7 +6,9 @@
     python -m eval +drafters.eagle3_tree='{_target_: eval.decoding.drafters.load_head, path: runs/eagle3-embedded/draft, tree: {budget: 16, depth: 6, topk: 4}}'
 
 Writes ``results.json``, ``results.md`` (the table, with the protocol) and ``acceptance.png`` into the run
-directory and prints the table.
+directory and prints the table. The decoding settings and ``out_dir`` are checked before anything is loaded or
+generated: an ``out_dir`` that holds other files than an evaluation's (unless ``overwrite=true``) or cannot be
+written is one ``error:`` line.
 """
 from __future__ import annotations
 
