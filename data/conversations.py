@@ -331,7 +331,12 @@ def load_conversations(source: Source = "sharegpt", split: str = "train", heldou
                        cache_dir: str | Path | None = None, verbose: bool = True, hub_split: str = "train"):
     """Load a split (``train``, ``heldout`` or ``all``: by id hash) as a ``datasets.Dataset`` cached as Arrow on disk.
     ``hub_split``: the split of a Hugging Face dataset source that is read (``train_sft``, ``test``, ...)."""
+    import shutil
+    import tempfile
+
     import datasets
+
+    from data.errors import cache_folder, public, unwritable
 
     if split not in ("train", "heldout", "all"):
         raise UserError(f"split={split!r}: use train, heldout or all")
@@ -340,24 +345,43 @@ def load_conversations(source: Source = "sharegpt", split: str = "train", heldou
     source = as_source(source)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     target = cache / "conversations" / _fingerprint(source, hub_split)
-    if (target / "dataset_info.json").exists():
-        ds = datasets.load_from_disk(str(target))
-        if verbose:
-            print(ds.info.description)
-    else:
+
+    def select(ds):  # the split, kept in memory (an index per row): reading writes nothing, so a read-only cache serves
+        if split == "train":
+            return ds.filter(lambda b: [x >= heldout_fraction for x in b], input_columns="bucket", batched=True,
+                             keep_in_memory=True)
+        if split == "heldout":
+            return ds.filter(lambda b: [x < heldout_fraction for x in b], input_columns="bucket", batched=True,
+                             keep_in_memory=True)
+        return ds
+
+    ds = None
+    if target.exists():
+        try:  # a cache that cannot be written is read into memory: what is computed from it is not written beside it
+            ds = datasets.load_from_disk(str(target), keep_in_memory=unwritable(target) is not None)
+            info = ds.info.description
+            ds = select(ds)
+        except Exception as e:  # noqa: BLE001 - a damaged entry (killed mid-write, truncated, emptied): rebuilt
+            print(f"note: the conversation cache {target} is damaged ({type(e).__name__}); rebuilding it")
+            ds = None
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            if verbose:
+                print(info)
+    if ds is None:
         convs, report = read_conversations(source, hub_split)
         if verbose:
             print(report.summary())
         if not convs:
             raise UserError(f"{source_name(source)}: no usable conversation ({report.summary()})")
         ds = datasets.Dataset.from_list(convs, info=datasets.DatasetInfo(description=report.summary()))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-        ds.save_to_disk(str(tmp))
-        os.replace(tmp, target) if not target.exists() else None
-        ds = datasets.load_from_disk(str(target))
-    if split == "train":
-        ds = ds.filter(lambda b: [x >= heldout_fraction for x in b], input_columns="bucket", batched=True)
-    elif split == "heldout":
-        ds = ds.filter(lambda b: [x < heldout_fraction for x in b], input_columns="bucket", batched=True)
+        folder = cache_folder("conversations", root=cache)
+        tmp = public(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=folder))
+        try:  # never a leftover copy of the dataset: the temporary folder goes whatever happens
+            ds.save_to_disk(str(tmp))
+            if not target.exists():  # else another process has just written it
+                os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        ds = select(datasets.load_from_disk(str(target)))
     return ds

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -98,20 +98,40 @@ def instantiate(node: Any, _partial_: bool = False, **kwargs: Any) -> Any:
         raise
 
 
+def umask() -> int:
+    """The process's umask (``os.umask`` can only be read by setting it; it is set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def public(path: str | Path) -> Path:
+    """Give ``path`` the mode the user's umask allows an ordinary file or folder (0644 / 0755 under umask 022).
+    ``tempfile`` creates its files and folders private (0600 / 0700), and a rename keeps that mode: a serving
+    container running as another user could not read the weights."""
+    p = Path(path)
+    os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask())
+    return p
+
+
 @contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `final` (never a half-written output)."""
+    """Yield a temporary sibling directory; on success it replaces `final` (never a half-written output), every
+    file and folder in it with the mode the umask allows."""
     import shutil
 
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary folder
+    public(tmp)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for p in tmp.rglob("*"):  # safetensors' save_file, like tempfile, writes its files private (0600)
+        if not p.is_symlink():
+            public(p)
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():
         os.replace(final, old)
@@ -121,18 +141,109 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
 
 @contextmanager
 def atomic_file(final: str | Path, mode: str = "w") -> Iterator:
-    """Open a temporary sibling file; on success rename it over `final`."""
+    """Open a temporary sibling file; on success rename it over `final` (with the mode the umask allows)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
     try:
         with os.fdopen(fd, mode) as f:
             yield f
+        public(tmp)
         os.replace(tmp, final)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def unwritable(folder: str | Path) -> str | None:
+    """Why this process cannot create a file in ``folder`` (a real probe: a nameless temporary file, so it also
+    sees read-only file systems and works as root), or None when it can."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def check_writable(path: str | Path, field: str) -> None:
+    """One UserError unless ``path`` can be written: the nearest folder at or above its parent (where an atomic
+    write puts its temporary sibling) and, when it exists, the folder itself."""
+    p = Path(path).expanduser().absolute()
+    above = p.parent
+    while not above.exists() and above.parent != above:
+        above = above.parent
+    if not above.is_dir():
+        raise UserError(f"{field}={path}: {above} is not a directory; choose another {field}=")
+    for d in ([above, p] if p.is_dir() else [above]):
+        why = unwritable(d)
+        if why:
+            raise UserError(f"{field}={path}: cannot write in {d} ({why}); choose another {field}= or make it writable")
+
+
+def guard_out(out: str | Path, field: str = "out", ours: Callable[[Path], bool] | Iterable[str] = (),
+              sources: Iterable[str | Path | None] = (), overwrite: bool = False, what: str = "an output of ours") -> Path:
+    """The one check before a command writes a folder the user names (``out=``, ``out_dir=``, ``run_dir=``),
+    done before the work starts so a mistake costs seconds, not hours. Refused in one line:
+
+    - a path that exists and is not a folder, or is a link;
+    - the working directory, or a source (``sources``), inside it, or it inside a source (never lifted);
+    - a folder that holds something and is not ours (``ours``: a test of the folder, or the names, as
+      ``fnmatch`` patterns, of everything the command writes there), unless ``overwrite``;
+    - a folder that cannot be written (checked with a real probe).
+    Returns the path (``~`` expanded)."""
+    import fnmatch
+
+    out = Path(out).expanduser()
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError(f"{field}={out}: exists and is not a directory; choose another {field}=")
+    here, res = Path.cwd().resolve(), out.resolve()
+    if here == res or here.is_relative_to(res):
+        raise UserError(f"{field}={out}: would replace the working directory; choose another {field}=")
+    for src in sources:
+        if src is None or str(src) == "" or not Path(str(src)).expanduser().exists():
+            continue
+        s = Path(str(src)).expanduser().resolve()
+        if s == res or s.is_relative_to(res) or res.is_relative_to(s):
+            raise UserError(f"{field}={out}: would write into or over the source {s}; choose another {field}= "
+                            "outside the source")
+    if out.is_dir():
+        held = sorted(p.name for p in out.iterdir())
+        if callable(ours):
+            mine = not held or ours(out)
+        else:
+            pats = list(ours)
+            mine = all(any(fnmatch.fnmatch(n, pat) for pat in pats) for n in held)
+        if not mine and not overwrite:
+            raise UserError(f"{field}={out}: exists and is not {what} (holds {', '.join(held[:4])}"
+                            f"{', ...' if len(held) > 4 else ''}); choose another {field}= or pass overwrite=true to "
+                            "replace it")
+    check_writable(out, field)
+    return out
+
+
+def cache_root() -> Path:
+    """The project cache: ``$DRAFTSMITH_CACHE``, default ``~/.cache/draftsmith`` (nothing is created here)."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE") or Path.home() / ".cache" / "draftsmith").expanduser()
+
+
+def cache_folder(*parts: str, root: str | Path | None = None) -> Path:
+    """``root`` (default :func:`cache_root`) / ``parts``, created, before a new entry is written there; one
+    UserError naming the folder and the way out when it cannot be (an unwritable home, a read-only cache).
+    Reading an entry that exists needs no call: a read-only cache keeps serving what it holds."""
+    folder = Path(root or cache_root()).joinpath(*parts)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise UserError(f"cache folder {folder}: cannot create it ({why}); set DRAFTSMITH_CACHE to a writable "
+                        "folder") from None
+    why = unwritable(folder)
+    if why:
+        raise UserError(f"cache folder {folder}: cannot write in it ({why}); set DRAFTSMITH_CACHE to a writable "
+                        "folder, or make it writable")
+    return folder
 
 
 def write_json(path: str | Path, obj, echo: bool = False) -> None:

@@ -20,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_file, cli, instantiate, run_main, sha256
+from data.errors import UserError, atomic_file, cli, guard_out, instantiate, run_main, sha256
 
 CACHE_FORMAT = "draftsmith-features/1"
 
@@ -171,6 +171,7 @@ def main(cfg: DictConfig) -> None:
         raise UserError(f"data.feature_dir={list(cfg.data.feature_dir)}: `python -m data.features` writes one cache; "
                         "give one directory (training reads a list)")
     out = Path(cfg.data.feature_dir or f"runs/features/{cfg.name}")
+    guard_out(out, "data.feature_dir", ("train", "heldout"), overwrite=bool(cfg.get("overwrite")), what="a feature cache of ours")
     w = cfg.get("features_writer") or {}
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     for split in ("train", "heldout"):

@@ -41,7 +41,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.conversations import load_conversations
-from data.errors import UserError, atomic_file, cli, run_main
+from data.errors import UserError, atomic_file, cli, guard_out, run_main
 
 SETTINGS_FILE = "regenerate.json"
 
@@ -363,6 +363,7 @@ def check_settings(out_dir: Path, settings: dict) -> None:
 @hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
 @cli
 def main(cfg: DictConfig) -> None:
+    guard_out(cfg.out_dir, "out_dir", ("shard-*.jsonl", ".shard-*"), overwrite=bool(cfg.get("overwrite")), what="regenerated shards of ours")
     run(cfg)
 
 

@@ -6,20 +6,60 @@
     python -m eval +drafters.eagle3_tree='{_target_: eval.decoding.drafters.load_head, path: runs/eagle3-embedded/draft, tree: {budget: 16, depth: 6, topk: 4}}'
 
 Writes ``results.json``, ``results.md`` (the table, with the protocol) and ``acceptance.png`` into the run
-directory and prints the table.
+directory and prints the table. The decoding settings and ``out_dir`` are checked before anything is loaded or
+generated: an ``out_dir`` that holds other files than an evaluation's (unless ``overwrite=true``) or cannot be
+written is one ``error:`` line.
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
-from data.errors import cli, instantiate, run_main
+from data.errors import UserError, cli, guard_out, instantiate, run_main
+
+EVAL_FILES = ("results.json", "results.md", "acceptance.png", ".hydra", "*.log", ".*.tmp*")  # what out_dir holds
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_eval_config(cfg: Any) -> None:
+    """The decoding settings of ``python -m eval`` (and of eval.compare / eval.curve, before their training),
+    checked where they are read, each a one-line UserError: ``temperatures`` a non-empty list of finite numbers
+    >= 0 (a NaN would sample the last token forever), ``limit`` null (every prompt) or >= 1, ``k`` an integer >= 1
+    or auto, ``max_new_tokens`` >= 1, ``top_p`` in (0, 1], ``seed`` an integer >= 0."""
+    temps = cfg.get("temperatures")
+    if not isinstance(temps, (list, tuple, ListConfig)) or not temps:
+        raise UserError(f"temperatures={temps}: give a non-empty list of sampling temperatures, e.g. temperatures=[0,1]")
+    for t in temps:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise UserError(f"temperatures={list(temps)}: {t} is not a temperature (a finite number >= 0; 0 is greedy)")
+    limit = cfg.get("limit")
+    if limit is not None and (not _int(limit) or limit < 1):
+        raise UserError(f"limit={limit}: prompts per set, an integer >= 1, or null for every prompt")
+    k = cfg.get("k")
+    if k != "auto" and (not _int(k) or k < 1):
+        raise UserError(f"k={k}: the draft length must be an integer >= 1, or auto")
+    n = cfg.get("max_new_tokens")
+    if not _int(n) or n < 1:
+        raise UserError(f"max_new_tokens={n}: an integer >= 1")
+    top_p = cfg.get("top_p", 1.0)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise UserError(f"top_p={top_p}: a number in (0, 1]")
+    seed = cfg.get("seed")
+    if not _int(seed) or seed < 0:
+        raise UserError(f"seed={seed}: an integer >= 0")
 
 
 def run(cfg: DictConfig) -> dict:
+    check_eval_config(cfg)
+    guard_out(cfg.out_dir, "out_dir", EVAL_FILES, overwrite=bool(cfg.get("overwrite")), what="an evaluation of ours")
     from eval.decoding.drafters import build_drafter
     from eval.run import Journal, build_sets, count_defects, evaluate, log_results, protocol_of, write_report
     from models.target import load_tokenizer

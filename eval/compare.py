@@ -9,7 +9,8 @@ side by side through the one decoder, beside plain decoding and the baselines (n
 
 Each family trains in its own ``python -m train`` process into ``<run_dir>/<family>`` with ``ckpt_path=last``,
 so an interrupted comparison resumes where it stopped; a family whose ``result.json`` exists is not
-retrained. Writes ``compare.json``, ``compare.md`` (the summary table: τ and speed-up per set at each
+retrained unless its overrides changed (``<run_dir>/<family>/overrides.json``; a changed family trains again from
+scratch). Writes ``compare.json``, ``compare.md`` (the summary table: τ and speed-up per set at each
 temperature, trainable parameters, training tokens and time) plus the full per-position report of
 ``python -m eval`` (``results.json``, ``results.md``, ``acceptance.png``) into ``<run_dir>/eval``.
 """
@@ -24,16 +25,26 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_file, cli, instantiate, run_main, write_json
+from data.errors import UserError, atomic_file, cli, guard_out, instantiate, run_main, write_json
 
 
 def train_family(name: str, overrides: list[str], shared: list[str], run_dir: Path) -> dict:
-    """Train one family in a child process (resumable); return its ``result.json``."""
+    """Train one family in a child process (resumable); return its ``result.json``. The run is keyed by its
+    overrides (``<run_dir>/<name>/overrides.json``): a finished run trained with other overrides is trained
+    again from scratch, an interrupted one with the same overrides resumes."""
     out = run_dir / name
     result = out / "result.json"
-    if not result.exists():
+    key = [*shared, *overrides]
+    keyfile = out / "overrides.json"
+    have = json.loads(keyfile.read_text()).get("overrides") if keyfile.exists() else None
+    if not result.exists() or have != key:
+        again = have != key and any(p.exists() for p in (result, out / "checkpoints", out / "draft"))
+        if again:
+            print(f"note: {out} was trained with {have if have is not None else 'unrecorded overrides'}; training "
+                  f"{name} again with {key}", flush=True)
         cmd = [sys.executable, "-m", "train", *shared, *overrides, f"name=compare-{name}", f"hydra.run.dir={out}",
-               "ckpt_path=last"]
+               *(["ckpt_path=null", "overwrite=true"] if again else ["ckpt_path=last"])]
+        write_json(keyfile, {"overrides": key})
         print(f"\n== training {name}: {' '.join(cmd[2:])}", flush=True)
         t = time.time()
         rc = subprocess.run(cmd).returncode
@@ -41,6 +52,12 @@ def train_family(name: str, overrides: list[str], shared: list[str], run_dir: Pa
             raise UserError(f"training {name} failed (exit {rc}); rerun `python -m eval.compare` to resume it")
         print(f"== {name} trained in {time.time() - t:.0f} s", flush=True)
     return json.loads(result.read_text())
+
+
+def is_compare_dir(path: Path) -> bool:
+    """A ``run_dir`` of ours: Hydra's folder, ``eval/``, and training runs (each with its hydra config)."""
+    return all(p.name in ("hydra", "eval") or (p / ".hydra").is_dir() or (p / "overrides.json").exists()
+               for p in path.iterdir())
 
 
 def budget_overrides(budget: str, seconds: float | None) -> list[str]:
@@ -79,7 +96,11 @@ def run(cfg: DictConfig) -> dict:
     from eval.decoding.drafters import build_drafter, load_head
     from eval.run import build_sets, evaluate, protocol_of, write_report
     from models.target import load_tokenizer
-    run_dir = Path(cfg.run_dir)
+    from eval.__main__ import check_eval_config
+
+    check_eval_config(cfg)  # before hours of training
+    run_dir = guard_out(cfg.run_dir, "run_dir", is_compare_dir, overwrite=bool(cfg.get("overwrite")),
+                        what="a comparison of ours")
     families = {k: list(v) for k, v in (cfg.families or {}).items() if v is not None}
     shared = list(cfg.train_overrides) + budget_overrides(cfg.get("budget", "steps"), cfg.get("time_budget_s"))
     trained: dict = {}
@@ -87,9 +108,12 @@ def run(cfg: DictConfig) -> dict:
         if cfg.train:
             trained[name] = train_family(name, overrides, shared, run_dir)
         else:
-            p = run_dir / name / "result.json"
+            p, k = run_dir / name / "result.json", run_dir / name / "overrides.json"
             if not p.exists():
                 raise UserError(f"{p}: family {name} is not trained; run with train=true or remove it from families")
+            if k.exists() and json.loads(k.read_text()).get("overrides") != [*shared, *overrides]:
+                raise UserError(f"{k}: family {name} was trained with other overrides than these; run with train=true "
+                                "to train it again")
             trained[name] = json.loads(p.read_text())
 
     target = instantiate(cfg.target)

@@ -14,7 +14,9 @@ the new budget; ``schedule=fixed``: ``trainer.max_steps`` is the last budget and
 so every point lies on the one schedule of the longest run). ``unit=seconds``: budgets are seconds of training
 time (``time_budget_s``, summed over resumes); ``fixed`` runs the schedule of the last budget and ends each point
 with ``stop_at_s``, ``raise`` stretches ``time_budget_s`` to each point. A finished point (``points/<steps>.json``) is not
-trained or evaluated again. Validation expected acceptance length (``val/acc_len``) is that of the exported draft
+trained or evaluated again unless its settings changed (``<run_dir>/<family>/curve_key.json``: the training
+overrides, the schedule and the evaluation settings; a change starts that family's run again), and
+``references.json`` is measured again when the evaluation settings or baselines change. Validation expected acceptance length (``val/acc_len``) is that of the exported draft
 (the best checkpoint by val acc_len so far). Writes ``curve.json`` (points, references, the Pearson correlation
 between val acc_len and decoder τ across all points, and ``correlation_t1``: val acc_len_t1, the T=1 acceptance that
 heads trained on the target's distribution report, against τ at T=1) and ``curve.png`` (τ against training tokens, one line per
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -33,7 +36,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from data.errors import UserError, cli, instantiate, run_main, write_json
+from data.errors import UserError, cli, guard_out, instantiate, run_main, write_json
 
 
 UNITS = ("steps", "tokens", "seconds")
@@ -97,16 +100,16 @@ def budget_overrides(unit: str, schedule: str, point: int, last_budget: int) -> 
 
 
 def train_point(family: str, overrides: list[str], shared: list[str], run: Path, steps: int, last_budget: int,
-                schedule: str, unit: str = "steps") -> dict:
+                schedule: str, unit: str = "steps", fresh: bool = False) -> dict:
     """Continue ``family``'s one run to budget ``steps`` (global steps, or seconds of training time); return its
-    result.json and the step it resumed from."""
-    start = last_step(run)
+    result.json and the step it resumed from. ``fresh``: start the run again from scratch (its settings changed)."""
+    start = 0 if fresh else last_step(run)
     if unit != "seconds" and start > steps:
         raise UserError(f"{run}: already at step {start} > {steps}; use a new run_dir for a shorter curve")
     budget = budget_overrides(unit, schedule, steps, last_budget)
     label = f"{steps} s of training" if unit == "seconds" else f"step {steps}"
     cmd = [sys.executable, "-m", "train", *shared, *overrides, *budget, f"name=curve-{family}", f"hydra.run.dir={run}",
-           "ckpt_path=last"]
+           *(["ckpt_path=null", "overwrite=true"] if fresh else ["ckpt_path=last"])]
     print(f"\n== {family}: step {start} → {label}: {' '.join(cmd[2:])}", flush=True)
     t = time.time()
     rc = subprocess.run(cmd).returncode
@@ -197,12 +200,37 @@ def plot(points: list[dict], references: dict, path: Path, x: str = "train_token
     plt.close(fig)
 
 
+def eval_key(cfg: DictConfig) -> dict:
+    """What a point's or a reference's decoder measurement depends on besides the draft (its cache key)."""
+    from omegaconf import OmegaConf
+
+    return {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+            for k in ("target", "eval_set", "temperatures", "top_p", "k", "max_new_tokens", "limit", "seed")}
+
+
+def run_key(cfg: DictConfig, overrides: list[str], steps: list[int]) -> dict:
+    """The cache key of a family's run and its points: its training overrides (with the schedule and, for
+    ``schedule=fixed``, the last budget that sets it) and the evaluation settings."""
+    return {"overrides": [*cfg.train_overrides, *overrides], "unit": cfg.unit, "schedule": cfg.schedule,
+            "last_budget": steps[-1] if cfg.schedule == "fixed" else None, "eval": eval_key(cfg)}
+
+
+def is_curve_dir(path: Path) -> bool:
+    """A ``run_dir`` of ours: Hydra's folder, the references and curve, and training runs."""
+    return all(p.name in ("hydra", "references.json", "curve.json", "curve.png") or p.name.startswith(".")
+               or (p / ".hydra").is_dir() or (p / "points").is_dir() or (p / "curve_key.json").exists()
+               for p in path.iterdir())
+
+
 def run(cfg: DictConfig) -> dict:
+    from eval.__main__ import check_eval_config
     from eval.decoding.drafters import build_drafter, load_head
     from eval.run import build_sets, evaluate, protocol_of
     from models.target import load_tokenizer
 
-    run_dir = Path(cfg.run_dir)
+    check_eval_config(cfg)  # before hours of training
+    run_dir = guard_out(cfg.run_dir, "run_dir", is_curve_dir, overwrite=bool(cfg.get("overwrite")),
+                        what="a learning curve of ours")
     steps = budget_steps(list(cfg.budgets), cfg.unit, cfg.get("tokens_per_step"))
     families = {k: list(v) for k, v in (cfg.families or {}).items() if v is not None}
     if not families:
@@ -213,26 +241,39 @@ def run(cfg: DictConfig) -> dict:
     temps = list(cfg.temperatures)
     args = (temps, cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed)
     refs_path = run_dir / "references.json"
-    if refs_path.exists():
-        refs = json.loads(refs_path.read_text())
-    else:  # plain decoding and the baselines, once, on the same prompts
+    from omegaconf import OmegaConf
+
+    refs_key = {**eval_key(cfg), "baselines": OmegaConf.to_container(cfg.baselines, resolve=True) if cfg.baselines else None}
+    refs = json.loads(refs_path.read_text()) if refs_path.exists() else {}
+    if refs.get("key") != refs_key:  # plain decoding and the baselines, once per setting, on the same prompts
         base = {name: build_drafter(node, target) for name, node in (cfg.baselines or {}).items() if node is not None}
         res = evaluate(target, tok, base, sets, *args)
         refs = {key: {name: {t: mean(v.values()) for t, v in taus(res, name, key).items()} for name in ["plain", *base]}
                 for key in ("tau", "speedup")}
-        write_json(refs_path, refs)
+        write_json(refs_path, {**refs, "key": refs_key})
     references = refs["tau"]
     protocol = protocol_of(cfg, tok, {**{n: None for n in references}, **families}, budgets=list(cfg.budgets),
                            unit=cfg.unit, steps=steps, schedule=cfg.schedule, train_overrides=list(cfg.train_overrides))
     points = []
     for fam, overrides in families.items():
         run = run_dir / fam
+        key = run_key(cfg, overrides, steps)
+        keyfile = run / "curve_key.json"
+        have = json.loads(keyfile.read_text()) if keyfile.exists() else None
+        fresh = have != key and any(p.exists() for p in (run / "points", run / "checkpoints", run / "result.json"))
+        if fresh:  # trained or measured with other settings: its points are stale, the run starts again
+            print(f"note: {run} was made with other settings ({'unrecorded' if have is None else have}); "
+                  f"starting {fam} again", flush=True)
+            shutil.rmtree(run / "points", ignore_errors=True)
+        write_json(keyfile, key)
         for s in steps:
             done = run / "points" / (f"{s}s.json" if cfg.unit == "seconds" else f"{s}.json")
             if done.exists():
                 points.append(json.loads(done.read_text()))
                 continue
-            tr = train_point(fam, overrides, list(cfg.train_overrides), run, s, steps[-1], cfg.schedule, cfg.unit)
+            tr = train_point(fam, overrides, list(cfg.train_overrides), run, s, steps[-1], cfg.schedule, cfg.unit,
+                             fresh=fresh)
+            fresh = False
             result = tr["result"]
             acc_len, accs, acc_len_t1 = exported_acc_len(result)
             res = evaluate(target, tok, {fam: load_head(result["export"], target)}, sets, *args)

@@ -13,8 +13,11 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_dir, cli, run_main
+from data.errors import UserError, atomic_dir, cli, guard_out, run_main
 from eval.decoding.datastore import FORMAT
+
+
+DATASTORE_FILES = ("tokens.safetensors", "datastore.json")  # all a datastore folder holds (it is replaced whole)
 
 
 def source_files(source: str) -> list[str]:
@@ -85,6 +88,8 @@ def main(cfg: DictConfig) -> None:
                         "(data.regenerate's shards: the target's own answers)")
     if not cfg.out:
         raise UserError("out=: the directory to write the datastore to")
+    guard_out(cfg.out, "out", DATASTORE_FILES, sources=[s for s in sources if s != "sharegpt"],
+              overwrite=bool(cfg.get("overwrite")), what="a datastore of ours")
     tok = load_tokenizer(cfg.target.name_or_path)
     tokens, counts = build_tokens(tok, sources, cfg.max_conversations, cfg.heldout_fraction)
     info = {"target": {"name_or_path": str(cfg.target.name_or_path), "tokenizer_size": len(tok)},

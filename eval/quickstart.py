@@ -43,7 +43,8 @@ def main(cfg: DictConfig) -> None:
             tokenize_split(tok, cfg.data.source, split, cfg.data.heldout_fraction, cfg.data.max_length, cfg.data.truncation,
                            None, cfg.data.num_proc)
         t1 = time.time()
-        res = train_run(hydra.compose("train", overrides=[*cfg.train_overrides, f"run_dir={run_dir / 'train'}"]))
+        res = train_run(hydra.compose("train", overrides=[*cfg.train_overrides, f"run_dir={run_dir / 'train'}",
+                                                          "overwrite=true"]))  # a rerun trains the demo again
         print(f"training took {time.time() - t1:.0f} s; validation expected acceptance length "
               f"{(res or {}).get('val/acc_len', float('nan')):.3f}", flush=True)
 

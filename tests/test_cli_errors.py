@@ -42,3 +42,18 @@ def test_bad_source_file(tmp_path):
     if "embedded target missing" in r.stderr:
         pytest.skip("embedded target not built")
     assert r.returncode == 2 and str(bad) in r.stderr
+
+
+@pytest.mark.parametrize("env", [{"HOME": "/sys/draftsmith-nohome"}, {"DRAFTSMITH_CACHE": "/sys/draftsmith-cache"}])
+def test_unwritable_home_or_cache_is_one_line(tiny_target_dir, tiny_chats, tmp_path, env):
+    """The conversation cache under an unwritable home (or $DRAFTSMITH_CACHE): one line naming the folder and
+    the way out, not a traceback."""
+    import os
+
+    full = {k: v for k, v in os.environ.items() if k != "DRAFTSMITH_CACHE"} | env
+    r = subprocess.run([sys.executable, "-m", "data.prepare", f"target.name_or_path={tiny_target_dir}",
+                        f"data.source={tiny_chats}", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=full,
+                       capture_output=True, text=True, timeout=300)
+    err = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "cache folder" in err[0] and "DRAFTSMITH_CACHE" in err[0]

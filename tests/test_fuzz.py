@@ -69,6 +69,7 @@ def world(tmp_path_factory, tiny_target_dir, tiny_chats):
     (bad / "chats_cut.json").write_text('[{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"fr')
     (bad / "results_garbage.json").write_text("{not json")
     (bad / "results_empty.json").write_text("{}")
+    (bad / "other_chats.jsonl").write_text("".join(Path(tiny_chats).read_text().splitlines(keepends=True)[:-1]))
     locked = root / "runs/locked"
     locked.mkdir()
     (locked / ".lock").write_text(json.dumps({"pid": os.getppid(), "host": __import__("socket").gethostname(), "started": "now"}))
@@ -160,6 +161,19 @@ CASES = [
     ("train", lambda w: T(w) + ["ckpt_path=/nonexistent/x.ckpt"], "ckpt_path"),
     ("train", lambda w: T(w) + [f"ckpt_path={w['bad']}"], "ckpt_path"),
     ("train", lambda w: T(w, run="locked"), "in use by pid"),
+    # -- python -m train: values checked where they are read --------------------------------------------------
+    ("train", lambda w: T(w) + ["stop_at_step=0"], "stop_at_step"),
+    ("train", lambda w: T(w) + ["stop_at_step=-3"], "stop_at_step"),
+    ("train", lambda w: T(w) + ["seed=-1"], "seed"),
+    ("train", lambda w: T(w) + ["draft.draft_vocab_size=0"], "draft_vocab_size"),
+    ("train", lambda w: T(w) + ["draft.draft_vocab_size=-5"], "draft_vocab_size"),
+    # -- python -m train: a finished run trained again from scratch; a resume with other settings ---------------
+    ("train", lambda w: T(w), "ckpt_path=last"),
+    ("train", lambda w: T(w) + ["ckpt_path=last", "optim.lr=0.002"], "optim.lr"),
+    ("train", lambda w: T(w) + ["ckpt_path=last", "optim.warmup_ratio=0.5"], "optim.warmup_ratio"),
+    ("train", lambda w: T(w) + ["ckpt_path=last", "target.tap_layers=[0,1,3]"], "target.tap_layers"),
+    ("train", lambda w: T(w) + ["ckpt_path=last", f"data.source={w['bad'] / 'other_chats.jsonl'}"], "data.source"),
+    ("train", lambda w: T(w) + ["ckpt_path=last", "seed=3"], "seed"),
     # -- python -m train: damaged training data ---------------------------------------------------------------
     ("train", lambda w: T(w) + [f"data.source={w['bad'] / 'chats_latin1.jsonl'}"], "UTF-8"),
     ("train", lambda w: T(w) + [f"data.source={w['bad'] / 'empty.jsonl'}"], "empty.jsonl"),
@@ -178,6 +192,37 @@ CASES = [
     ("train.export", lambda w: [f"src={w['root'] / 'nothing'}"], "src="),
     ("train.export", lambda w: [], "src"),
     ("train.export", lambda w: [f"src={w['e3']}", "no_such=1"], "no_such"),
+    # -- python -m train.ship -------------------------------------------------------------------------------
+    ("train.ship", lambda w: [f"src={w['e3']}", f"out={w['e3']}"], "source"),
+    ("train.ship", lambda w: [f"src={w['e3']}", f"out={w['user']}"], "overwrite=true"),
+    ("train.ship", lambda w: [f"src={w['e3']}", f"out={w['root'] / 's1'}", f"evaluation={w['bad'] / 'results_garbage.json'}"],
+     "results_garbage.json"),
+    ("train.ship", lambda w: [f"src={w['e3']}", f"out={w['root'] / 's2'}", f"evaluation={w['bad'] / 'results_empty.json'}"],
+     "evaluation="),
+    ("train.ship", lambda w: [f"src={w['e3']}", f"out={w['root'] / 's3'}", f"evaluation={w['bad']}"], "evaluation="),
+    ("train.ship", lambda w: [f"src={w['e3']}", f"out={w['root'] / 's4'}", f"evaluation={w['bad'] / 'random.ckpt'}"],
+     "evaluation="),
+    # -- python -m eval.datastore -----------------------------------------------------------------------------
+    ("eval.datastore", lambda w: [f"target.name_or_path={w['target']}", f"sources=[{w['chats']}]", f"out={w['e3']}"],
+     "overwrite=true"),
+    # -- python -m eval: decoding settings, the output folder ------------------------------------------------------
+    ("eval", lambda w: E(w, "temperatures=[nan]"), "temperatures"),
+    ("eval", lambda w: E(w, "temperatures=[]"), "temperatures"),
+    ("eval", lambda w: E(w, "temperatures=[-1]"), "temperatures"),
+    ("eval", lambda w: E(w, "limit=0"), "limit"),
+    ("eval", lambda w: E(w, "limit=-1"), "limit"),
+    ("eval", lambda w: E(w, "k=abc"), "k=abc"),
+    ("eval", lambda w: E(w, "k=0"), "k=0"),
+    ("eval", lambda w: E(w, "seed=-1"), "seed"),
+    ("eval", lambda w: E(w, "top_p=0"), "top_p"),
+    ("eval", lambda w: E(w, "out_dir=/sys/draftsmith-guard/out"), "cannot write"),
+    ("eval", lambda w: E(w, f"out_dir={w['user']}"), "overwrite=true"),
+    # -- python -m eval.compare / eval.curve: checked before any training -------------------------------------------
+    ("eval.compare", lambda w: [f"target.name_or_path={w['target']}", "limit=0"], "limit"),
+    ("eval.compare", lambda w: [f"target.name_or_path={w['target']}", "temperatures=[nan]"], "temperatures"),
+    ("eval.compare", lambda w: [f"target.name_or_path={w['target']}", f"run_dir={w['user']}"], "overwrite=true"),
+    ("eval.curve", lambda w: [f"target.name_or_path={w['target']}", "k=abc"], "k=abc"),
+    ("eval.curve", lambda w: [f"target.name_or_path={w['target']}", "limit=-1"], "limit"),
     # -- python -m eval -------------------------------------------------------------------------------------
     ("eval", lambda w: E(w, "+drafters.e3._target_=eval.decoding.drafters.load_head", f"+drafters.e3.path={w['bad'] / 'draft_truncated'}"),
      "model.safetensors"),
@@ -226,7 +271,8 @@ def test_bad_input_is_one_line_and_changes_nothing(world, module, args, expect, 
 def test_battery_size():
     """The issue's closing note counts the battery; keep it honest."""
     assert len(CASES) >= 50
-    assert {m for m, _, _ in CASES} >= {"train", "train.export", "eval", "data.prepare", "data.features", "eval.planner"}
+    assert {m for m, _, _ in CASES} >= {"train", "train.export", "train.ship", "eval", "eval.datastore", "eval.compare",
+                                        "eval.curve", "data.prepare", "data.features", "eval.planner"}
 
 
 def test_over_long_prompt_is_truncated_and_counted(world, tmp_path, capsys):

@@ -66,3 +66,47 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_target_dir, tiny_chats, t
     print(f"{draft}: tokens {straight['train_tokens']} vs {resumed['train_tokens']}, max weight diff {diff:.2e}")
     assert diff < 1e-5
     assert resumed["val/acc_len"] == pytest.approx(straight["val/acc_len"], abs=1e-6)
+
+
+def test_training_again_into_a_finished_run_is_refused(tiny_target_dir, tiny_chats, tmp_path):
+    """Without ckpt_path (or with ckpt_path=last and no last.ckpt) a second run into a finished run's folder used to
+    start from scratch and replace best.ckpt, last.ckpt and the export with only a warning."""
+    from data.errors import UserError
+    from train.__main__ import run
+
+    over = train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run", steps=2)
+    run(compose_train(over))
+    files = ["checkpoints/best.ckpt", "checkpoints/last.ckpt", "draft/model.safetensors", "result.json"]
+    stamp = {f: (tmp_path / "run" / f).stat().st_mtime_ns for f in files}
+    with pytest.raises(UserError, match="holds a run .*ckpt_path=last.*overwrite=true"):
+        run(compose_train(over))
+    (tmp_path / "run/checkpoints/last.ckpt").unlink()
+    del stamp["checkpoints/last.ckpt"]
+    with pytest.raises(UserError, match="last.ckpt is missing"):
+        run(compose_train(over + ["ckpt_path=last"]))
+    assert stamp == {f: (tmp_path / "run" / f).stat().st_mtime_ns for f in stamp}
+    again = run(compose_train(over + ["overwrite=true", "trainer.max_steps=4"]))  # from scratch, on purpose
+    assert again["global_step"] == 4 and last_state(tmp_path / "run")["global_step"] == 4
+
+
+@pytest.mark.parametrize("change,refused", [
+    (["optim.lr=0.002"], "optim.lr"),                                       # the optimiser keeps the old LR: refused
+    (["optim.min_lr_ratio=0.1"], "optim.min_lr_ratio"),                     # the schedule: refused
+    (["target.tap_layers=[0,1,3]"], "target.tap_layers"),                   # the export would name taps it never saw
+    (["data.heldout_fraction=0.3"], "data.heldout_fraction"),               # other data
+    (["draft.ttt_steps=2"], "draft.ttt_steps"),
+    (["trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=2"], None),  # may change
+])
+def test_resume_checks_the_recorded_config(tiny_target_dir, tiny_chats, tmp_path, change, refused):
+    from data.errors import UserError
+    from train.__main__ import run
+
+    over = train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run", steps=4)
+    run(compose_train(over + ["stop_at_step=2"]))
+    assert last_state(tmp_path / "run")["run_config"]["optim"]["lr"] == pytest.approx(1e-3)
+    if refused:
+        with pytest.raises(UserError, match=f"trained with other settings.*{refused}"):
+            run(compose_train(over + ["ckpt_path=last", *change]))
+        assert last_state(tmp_path / "run")["global_step"] == 2
+    else:
+        assert run(compose_train(over + ["ckpt_path=last", *change]))["global_step"] == 6

@@ -111,10 +111,103 @@ def check_lengths(cfg: DictConfig, target: Any, dm: Any) -> None:
                         f"set data.max_length<={n}")
 
 
+# what a resumed run may change: its length, when it stops, validates, logs and checkpoints (and where it lives)
+RESUMABLE = ("name", "run_dir", "ckpt_path", "overwrite", "stop_at_step", "stop_at_s", "time_budget_s", "export_best",
+             "logger", "callbacks", "trainer.max_steps", "trainer.max_epochs", "trainer.val_check_interval",
+             "trainer.check_val_every_n_epoch", "trainer.limit_val_batches", "trainer.log_every_n_steps",
+             "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.num_sanity_val_steps",
+             "data.num_workers", "target.fast_linear")
+FINISHED = ("result.json", "draft", "checkpoints/best.ckpt", "checkpoints/last.ckpt")  # what a started run leaves
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Values read before anything is built or written, each a one-line UserError: ``seed`` an integer >= 0,
+    ``stop_at_step`` null or >= 1, ``stop_at_s`` null or > 0, ``draft.draft_vocab_size`` null or >= 1."""
+    if not _int(cfg.seed) or cfg.seed < 0:
+        raise UserError(f"seed={cfg.seed}: an integer >= 0")
+    step = cfg.get("stop_at_step")
+    if step is not None and (not _int(step) or step < 1):
+        raise UserError(f"stop_at_step={step}: the global step after which this process stops, an integer >= 1 (or null)")
+    secs = cfg.get("stop_at_s")
+    if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or secs <= 0):
+        raise UserError(f"stop_at_s={secs}: seconds of training after which this process stops, a number > 0")
+    vocab = (cfg.get("draft") or {}).get("draft_vocab_size")
+    if vocab is not None and (not _int(vocab) or vocab < 1):
+        raise UserError(f"draft.draft_vocab_size={vocab}: the number of target tokens the head drafts, an integer >= 1 "
+                        "(null: the whole vocabulary)")
+
+
+def flatten(d: Any, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists are values)."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def check_resume(old: dict, new: dict, path: str) -> None:
+    """A resumed run continues the one in the checkpoint: what it was trained with (the draft and its shapes, the
+    target and its taps, the data, the optimiser and its learning-rate schedule, the seed) cannot change, or the
+    export would be labelled with settings its weights never saw. A learning rate or schedule change is refused,
+    not applied: the optimiser and scheduler come back from the checkpoint. What may change is in RESUMABLE."""
+    a, b = flatten(old), flatten(new)
+
+    def free(k: str) -> bool:
+        return any(k == r or k.startswith(r + ".") for r in RESUMABLE)
+
+    # a key only one side has is a setting added or removed since: its default keeps the old behaviour
+    changed = [k for k in sorted(set(a) & set(b)) if not free(k) and a[k] != b[k]]
+    if changed:
+        what = "; ".join(f"{k}={a[k]} there, {b[k]} here" for k in changed[:3])
+        raise UserError(f"ckpt_path={path}: the checkpoint's run was trained with other settings ({what}"
+                        f"{'; ...' if len(changed) > 3 else ''}); resume with its settings, or start a new run "
+                        "(another name=, or init_from=<its export>)")
+
+
+def recorded_config(state: dict, ckpt: str, ckpt_dir: Path, run_dir: Path) -> dict | None:
+    """The config a checkpoint was trained with: the one it records, or (a checkpoint of this run written before
+    checkpoints recorded it) the run's config.yaml; None when neither is known."""
+    if isinstance(state.get("run_config"), dict):
+        return state["run_config"]
+    if Path(ckpt).resolve().parent == ckpt_dir.resolve() and (run_dir / "config.yaml").exists():
+        return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
+    return None
+
+
+def check_fresh_start(cfg: DictConfig, run_dir: Path) -> None:
+    """Training from scratch into a folder that holds a run would replace its checkpoints and export: refused,
+    unless ``overwrite=true`` (the old run's checkpoints, export, result and logs are then removed first)."""
+    held = [f for f in FINISHED if (run_dir / f).exists()]
+    if not held:
+        return
+    if not cfg.get("overwrite"):
+        why = "; checkpoints/last.ckpt is missing" if cfg.get("ckpt_path") == "last" else ""
+        raise UserError(f"run_dir={run_dir}: holds a run ({', '.join(held)}){why}; resume it with ckpt_path=last, "
+                        "choose another name=, or pass overwrite=true to train it again from scratch")
+    import shutil
+
+    if int(os.environ.get("LOCAL_RANK", 0)) or int(os.environ.get("RANK", 0)):
+        return  # rank 0 clears
+    for name in ("checkpoints", "draft", "logs", "result.json"):
+        p = run_dir / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+    print(f"note: overwrite=true: removed the previous run in {run_dir}")
+
+
 def _run(cfg: DictConfig, run_dir: Path) -> dict:
-    from train.callbacks import StopAtStep, TimeBudget
+    from train.callbacks import RecordConfig, StopAtStep, TimeBudget
     from train.module import DraftModule
 
+    check_values(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True)
     target, head, dm = build(cfg)
@@ -126,24 +219,30 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         head.prepare_from_data(dm.token_counts())
         if cfg.get("init_from"):  # its weights and draft vocabulary (a head whose vocabulary only drafts: this run's)
             init_from_export(head, str(cfg.init_from), target)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if ckpt is None:
+        check_fresh_start(cfg, run_dir)
     else:
         state = read_checkpoint(ckpt)
         check_checkpoint(state, ckpt, module)
+        old = recorded_config(state, ckpt, ckpt_dir, run_dir)
+        if old is None:
+            print(f"note: {ckpt} records no config: its settings cannot be checked against this run's")
+        else:
+            check_resume(old, resolved, ckpt)
         print(f"resuming from step {state['global_step']} ({ckpt})")
         del state
-    resolved = OmegaConf.to_container(cfg, resolve=True)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     # the resolved config at the run's root: inside checkpoints/ it made Lightning warn "exists and is not empty"
     with atomic_file(run_dir / "config.yaml") as f:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] if cfg.get("callbacks") else []
+    callbacks.append(RecordConfig(resolved))
     if cfg.get("stop_at_step"):
         callbacks.append(StopAtStep(cfg.stop_at_step))
     if cfg.get("time_budget_s"):
         callbacks.append(TimeBudget(cfg.time_budget_s))
     if cfg.get("stop_at_s") is not None:
-        if not isinstance(cfg.stop_at_s, (int, float)) or cfg.stop_at_s <= 0:
-            raise UserError(f"stop_at_s={cfg.stop_at_s}: seconds of training after which this process stops, a number > 0")
         callbacks.append(TimeBudget(cfg.stop_at_s))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, default_root_dir=str(run_dir))

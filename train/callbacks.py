@@ -13,7 +13,9 @@ import os
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+
+from data.errors import public
 
 
 class LastCheckpoint(Checkpoint):
@@ -31,6 +33,7 @@ class LastCheckpoint(Checkpoint):
         tmp = self.dirpath / f".{self.filename}.tmp-{os.getpid()}"
         trainer.save_checkpoint(str(tmp))
         if trainer.is_global_zero:
+            public(tmp)  # Lightning's save leaves it private (0600)
             os.replace(tmp, self.path)
         trainer.strategy.barrier("last_checkpoint")
         self._saved_step = trainer.global_step
@@ -79,3 +82,42 @@ class TimeBudget(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if pl_module.train_time_s >= self.seconds:
             trainer.should_stop = True
+
+
+class AtomicModelCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (``best.ckpt``) written to a temporary sibling in the same folder and
+    renamed over the final name, with the mode the umask allows. Lightning's own save writes a temporary file
+    in the system's temp folder and moves it: a copy when that is another file system, so a full disk left a
+    partial ``best.ckpt`` under its final name, and the file kept tempfile's private mode (0600)."""
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's key for ``ModelCheckpoint``: checkpoints of either class resume with their best score."""
+        return super().state_key.replace(type(self).__qualname__, "ModelCheckpoint", 1)
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        from weakref import proxy
+
+        final = Path(filepath)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        trainer.save_checkpoint(str(tmp), self.save_weights_only)
+        if trainer.is_global_zero:
+            public(tmp)
+            os.replace(tmp, final)
+        trainer.strategy.barrier("best_checkpoint")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+
+class RecordConfig(L.Callback):
+    """Keep the run's resolved config in every checkpoint (``checkpoint["run_config"]``): a resume checks it
+    against its own config (``train.__main__.check_resume``)."""
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint["run_config"] = self.config

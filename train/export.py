@@ -19,7 +19,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from data.errors import UserError, cli, run_main
+from data.errors import UserError, cli, guard_out, run_main
 from train.card import write_card
 from train.rundir import sweep_leftovers
 
@@ -38,19 +38,10 @@ def is_our_export(path: Path) -> bool:
     return isinstance(cfg, dict) and ("draftsmith" in cfg or str(cfg.get("format", "")).startswith("draftsmith"))
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    """``out=`` is replaced as a whole: refuse one that exists and is not an export of ours (unless ``overwrite=true``)."""
-    out = out.expanduser()
-    here = Path.cwd().resolve()
-    if out.exists() or out.is_symlink():
-        if out.is_symlink() or not out.is_dir():
-            raise UserError(f"out={out}: exists and is not a directory; choose another out=")
-        if here == out.resolve() or here.is_relative_to(out.resolve()):
-            raise UserError(f"out={out}: would replace the working directory; choose another out=")
-        if any(out.iterdir()) and not is_our_export(out) and not overwrite:
-            held = sorted(p.name for p in out.iterdir())
-            raise UserError(f"out={out}: exists and is not an export of ours (holds {', '.join(held[:4])}"
-                            f"{', ...' if len(held) > 4 else ''}); choose another out= or pass overwrite=true to replace it")
+def check_out(out: Path, overwrite: bool, src: str | Path | None = None) -> None:
+    """``out=`` is replaced as a whole: refuse one that exists and is not an export of ours (unless
+    ``overwrite=true``), the source or a folder around it, or an unwritable place (:func:`data.errors.guard_out`)."""
+    guard_out(out, "out", is_our_export, sources=[src], overwrite=overwrite, what="an export of ours")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -59,7 +50,7 @@ def run(cfg: DictConfig) -> dict:
     if not cfg.get("src"):
         raise UserError("src: give a run directory or an exported draft (src=runs/<name>)")
     out = cfg.out or f"{str(cfg.src).rstrip('/')}-{cfg.format}"
-    check_out(Path(out), bool(cfg.get("overwrite")))
+    check_out(Path(out), bool(cfg.get("overwrite")), cfg.src)
     sweep_leftovers(Path(out).expanduser().parent, names=[Path(out).name])  # of an export killed mid-write
     path = export_draft(cfg.src, cfg.format, out, verifier=cfg.verifier, dtype=cfg.dtype)
     src = resolve_draft_dir(cfg.src)

@@ -19,8 +19,33 @@ import hydra
 from omegaconf import DictConfig
 
 from data.datamodule import cache_dirs
-from data.errors import UserError, cli, run_main, write_json
+from data.errors import UserError, atomic_dir, cli, guard_out, read_json, run_main, write_json
 from train.card import write_card
+
+SHIPPED_FILES = {"config.json", "model.safetensors", "train_config.json", "report.json", "README.md"}  # what out/ holds
+
+
+def is_shipped(path: Path) -> bool:
+    """A folder this command wrote (it is replaced as a whole): only shipped files, with report.json, or an
+    export of ours."""
+    from train.export import is_our_export
+
+    names = {p.name for p in path.iterdir()}
+    return (names <= SHIPPED_FILES and {"report.json", "config.json"} <= names) or is_our_export(path)
+
+
+def read_evaluation(path: str | Path) -> dict:
+    """``python -m eval``'s results.json (a dict with ``protocol`` and ``results``), or one UserError naming it."""
+    ev = Path(path).expanduser()
+    if not ev.is_file():
+        raise UserError(f"evaluation={path}: no such results.json (write one with `python -m eval ...`)")
+    try:
+        obj = read_json(ev)
+    except UnicodeDecodeError:
+        raise UserError(f"evaluation={path}: not a text file (give the results.json `python -m eval` wrote)") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("results"), dict) or not isinstance(obj.get("protocol"), dict):
+        raise UserError(f"evaluation={path}: not a results.json of `python -m eval` (no protocol and results)")
+    return obj
 
 
 def validation_curve(run_dir: Path) -> list[dict]:
@@ -53,7 +78,11 @@ def started_from(init_from: str) -> dict:
     return {"init_from": init_from, "training": training_summary(run), "validation_curve": validation_curve(run)}
 
 
-def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: str | None = None) -> dict:
+def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: str | None = None,
+         overwrite: bool = False) -> dict:
+    """Write ``out/`` (the draft and report.json) in one atomic folder: a refused or failed ship leaves ``out``
+    as it was. Refused before any work: an ``out`` that is not a shipped folder of ours (unless ``overwrite``),
+    the source or a folder around it, an unwritable place, a bad ``evaluation`` file."""
     from models.formats import load_draft, read_draft_config, resolve_draft_dir
     from models.target import DTYPES, FrozenTarget
 
@@ -61,6 +90,8 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
     draft = resolve_draft_dir(run_dir)
     if dtype not in DTYPES:
         raise UserError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    out = guard_out(out, "out", is_shipped, sources=[run_dir, draft], overwrite=overwrite, what="a shipped draft of ours")
+    evaluated = read_evaluation(evaluation) if evaluation else None
     cfg = read_draft_config(draft)
     target = FrozenTarget(cfg["target"]["name_or_path"], dtype="float32")
     head = load_draft(draft, target)
@@ -86,15 +117,15 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
             report["features"][split] = {"samples": sum(x["samples"] for x in shards), "tokens": sum(x["tokens"] for x in shards),
                                          "caches": dirs}
         report["data_source"] = train_config["data"].get("source")
-    if evaluation:
-        ev = Path(evaluation)
-        if not ev.exists():
-            raise UserError(f"evaluation={evaluation}: no such results.json (write one with `python -m eval ...`)")
-        report["evaluation"] = json.loads(ev.read_text())
-    out = Path(out)
-    head.export(out, train_config=train_config, dtype=DTYPES[dtype])
-    write_json(out / "report.json", report)
-    write_card(out)  # README.md: the model card, from the report
+    if evaluated is not None:
+        report["evaluation"] = evaluated
+    with atomic_dir(out) as tmp:  # the draft and its report appear together, or not at all
+        inner = head.export(tmp / "draft", train_config=train_config, dtype=DTYPES[dtype])
+        for p in inner.iterdir():
+            p.rename(tmp / p.name)
+        inner.rmdir()
+        write_json(tmp / "report.json", report)
+        write_card(tmp)  # README.md: the model card, from the report
     size = sum(p.stat().st_size for p in out.iterdir())
     print(f"shipped {draft} -> {out} ({size / 1e6:.1f} MB, {report['stored_parameters']:,} parameters in {dtype})")
     return report
@@ -105,7 +136,7 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
 def main(cfg: DictConfig) -> None:
     if not cfg.src or not cfg.out:
         raise UserError("give src=<run dir> and out=<folder>, e.g. src=runs/smollm2-eagle3 out=assets/smollm2-eagle3")
-    ship(cfg.src, cfg.out, cfg.dtype, cfg.evaluation)
+    ship(cfg.src, cfg.out, cfg.dtype, cfg.evaluation, bool(cfg.get("overwrite")))
 
 
 if __name__ == "__main__":
