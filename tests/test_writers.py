@@ -82,7 +82,7 @@ def test_a_folder_of_ours_is_replaced_and_overwrite_lifts_the_refusal(world, tmp
     out = tmp_path / "shipped"
     code, err = invoke("train.ship", [f"src={world['e3']}", f"out={out}"], tmp_path, capsys)
     assert code == 0, err[-2000:]
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "report.json", "train_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "report.json", "train_config.json"]
     code, err = invoke("train.ship", [f"src={world['e3']}", f"out={out}"], tmp_path, capsys)  # ours: replaced
     assert code == 0, err[-2000:]
     mine = tmp_path / "mine"
