@@ -2,7 +2,7 @@
 
 Why: a decoding step multiplies each weight by one row (plain decoding, a chain's draft step) or a few (verifying a
 block of 2–16 tokens, a tree level, the tokens a round accepted), and no single CPU kernel is the fastest at every
-row count on every CPU. Measured on two 2-core machines:
+row count on every CPU. Measured on two 2-core machines (2026-12-04):
 - PyTorch's ``F.linear`` (MKL's sgemm on the weight as stored, out × in) costs about 2× one row at 2–4 rows on an
   AMD EPYC, and on a Xeon with AMX jumps 2–3× from 3 to 4 rows;
 - MKL on a transposed copy of the weight (in × out: ``x @ Wᵀ``, ``mkl_t``) is the fastest one-row product on that

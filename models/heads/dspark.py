@@ -38,7 +38,6 @@ class DSparkHead(DFlashHead):
                  markov_rank: int = 256, confidence_threshold: float = 0.0,
                  loss_weights: tuple[float, float, float] = (0.1, 0.9, 1.0), qk_norm: bool = False):
         super().__init__(target, block_size, num_layers, num_anchors, gamma, mask_token_id, rms_eps, qk_norm)
-        self.init_args.pop("soft")  # DSpark's loss already matches the target's distribution (TV); no hard/soft switch
         self.init_args.update(markov_rank=markov_rank, confidence_threshold=confidence_threshold,
                               loss_weights=list(loss_weights))
         d, V = target.config.hidden_size, target.config.vocab_size
