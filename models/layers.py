@@ -197,8 +197,8 @@ class DecoderLayer(nn.Module):
 class KVBuffer:
     """A draft's keys and values [B, H, n, hd] over its context, in buffers grown by doubling.
 
-    Decoding adds a few rows a round; ``torch.cat`` onto the cache copied all of it every time (on these CPUs
-    about 30 µs a copy, two per layer and round, several times a drafted token). :meth:`add` copies only the new
+    Decoding adds a few rows a round; ``torch.cat`` onto the cache would copy all of it every time (on a 2-core CPU
+    about 30 µs a copy, two per layer and round, several times a drafted token; 2026-12-01). :meth:`add` copies only the new
     rows, after the rows already there, and returns views of everything; :meth:`keep` then says how many of the
     rows added since the last keep stay (the rest, speculative rows of drafted positions, are overwritten by the
     next add). Views returned by ``add`` are valid until the next ``add``."""
