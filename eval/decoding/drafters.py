@@ -54,7 +54,7 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
     every layer in fp32, ``bfloat16`` in bf16 (half the
     bytes a drafted token reads; CPUs with bf16 instructions). Measure with ``eval.bench_decode``; the draft's
     logits change in their last bits, the output does not. ``decode``: settings that only change how the head drafts
-    (its class's ``decode_settings``, such as DSpark's ``confidence_threshold``), replacing the exported ones."""
+    (its class's ``decode_settings``, such as MTP's ``reuse_last_module``), replacing the exported ones."""
     from models.cpu_linear import pack_fastest, pack_linears
     from models.formats import load_draft
     from models.target import DTYPES
