@@ -2,7 +2,7 @@
 
 Why: a decoding step multiplies each weight by one row (plain decoding, a chain's draft step) or a few (verifying a
 block of 2–16 tokens, a tree level, the tokens a round accepted), and no single CPU kernel is the fastest at every
-row count on every CPU. Measured on two 2-core machines:
+row count on every CPU. Measured on two 2-core machines (2026-12-04):
 - PyTorch's ``F.linear`` (MKL's sgemm on the weight as stored, out × in) costs about 2× one row at 2–4 rows on an
   AMD EPYC, and on a Xeon with AMX jumps 2–3× from 3 to 4 rows;
 - MKL on a transposed copy of the weight (in × out: ``x @ Wᵀ``, ``mkl_t``) is the fastest one-row product on that
@@ -130,8 +130,8 @@ class PackedLinear(nn.Linear):
 class FusedLinears:
     """Linear layers that read the same input (q/k/v, gate/up) as one product, for inference.
 
-    A one-row draft step is mostly per-call cost on these CPUs (a drafted EAGLE-3 token on SmolLM2: 8 products
-    of 0.1–5 M weights, 72% of its time), so three products in one call save two calls' overhead. The concatenated
+    A one-row draft step is mostly per-call cost on a 2-core CPU (a drafted EAGLE-3 token on SmolLM2: 8 products
+    of 0.1–5 M weights, 72% of its time; 2026-11-30), so three products in one call save two calls' overhead. The concatenated
     weight is a copy, made again once a source weight has changed in place. ``plan`` as :class:`PackedLinear`'s, with
     ``apart`` for row counts where the layers run one by one (the short form: ``dtype`` from ``from_rows`` rows on);
     :meth:`__call__` returns None (the caller uses the separate layers) there, under autograd, and for inputs that

@@ -197,8 +197,8 @@ class DecoderLayer(nn.Module):
 class KVBuffer:
     """A draft's keys and values [B, H, n, hd] over its context, in buffers grown by doubling.
 
-    Decoding adds a few rows a round; ``torch.cat`` onto the cache copied all of it every time (on these CPUs
-    about 30 µs a copy, two per layer and round, several times a drafted token). :meth:`add` copies only the new
+    Decoding adds a few rows a round; ``torch.cat`` onto the cache would copy all of it every time (on a 2-core CPU
+    about 30 µs a copy, two per layer and round, several times a drafted token; 2026-12-01). :meth:`add` copies only the new
     rows, after the rows already there, and returns views of everything; :meth:`keep` then says how many of the
     rows added since the last keep stay (the rest, speculative rows of drafted positions, are overwritten by the
     next add). Views returned by ``add`` are valid until the next ``add``."""
@@ -285,22 +285,20 @@ def shift_left(x: torch.Tensor, n: int, fill: float = 0) -> torch.Tensor:
 
 class _RowCE(torch.autograd.Function):
     """Cross-entropy of each row of logits z [N, V] against a data token or a distribution, −Σ_v p log softmax(z),
-    plus ``tv`` × the total variation ½Σ_v |q − p| (q = softmax(z)), with the gradient computed in the forward
-    pass, a few rows at a time. On a CPU each full-size temporary of autograd's version (log-softmax, the target's
+    with the gradient computed in the forward pass, a few rows at a time. On a CPU each full-size temporary of autograd's version (log-softmax, the target's
     softmax, products, their backward buffers) costs a pass through memory and fresh pages; chunks of about 1 MB
-    stay in cache and only the gradient is full size. The second output, the total variation [N] (1 − q[label]
-    against a data token), is not differentiable: 1 − TV = Σ_v min(p, q) is the chance that exact rejection
-    sampling at T=1 accepts a token drawn from q (Leviathan et al., arXiv 2211.17192), the quantity DistillSpec
-    (arXiv 2310.08461) trains with a total-variation loss."""
+    stay in cache and only the gradient is full size. The second output, the total variation ½Σ_v |q − p| [N]
+    (q = softmax(z); 1 − q[label] against a data token), is not differentiable: 1 − TV = Σ_v min(p, q) is the
+    chance that exact rejection sampling at T=1 accepts a token drawn from q (Leviathan et al., arXiv 2211.17192)."""
 
     CHUNK_BYTES = 1 << 20
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, labels: torch.Tensor | None, teacher: torch.Tensor | None,
-                rows: torch.Tensor | None, teacher_is_probs: bool, tv: float,
+                rows: torch.Tensor | None, teacher_is_probs: bool,
                 mass: torch.Tensor | None, want_tv: bool) -> tuple[torch.Tensor, torch.Tensor]:
         N, V = z.shape
-        loss, grad, tvd = z.new_empty(N), torch.empty_like(z), z.new_zeros(N)  # tvd stays 0 unless wanted or weighted
+        loss, grad, tvd = z.new_empty(N), torch.empty_like(z), z.new_zeros(N)  # tvd stays 0 unless wanted
         c = max(1, _RowCE.CHUNK_BYTES // (4 * V))
         for s in range(0, N, c):
             e = min(N, s + c)
@@ -311,30 +309,19 @@ class _RowCE(torch.autograd.Function):
                 loss[s:e] = -log_q.gather(1, lab)[:, 0]
                 q_y = g.gather(1, lab)  # [c, 1]
                 tvd[s:e] = 1 - q_y[:, 0]
-                if tv:  # d(1 − q_y)/dz = −q_y (onehot − q)
-                    loss[s:e] += tv * tvd[s:e]
-                    g.mul_(1 + tv * q_y)
-                g.scatter_add_(1, lab, (-1.0 - tv * q_y).to(g.dtype))  # − one-hot (× 1 + tv·q_y)
+                g.scatter_add_(1, lab, torch.full_like(q_y, -1.0, dtype=g.dtype))  # softmax − one-hot
             else:
                 t = teacher[s:e] if rows is None else teacher[rows[s:e]]
                 p = t.float() if teacher_is_probs else torch.softmax(t.float(), -1)  # [c, V]
                 loss[s:e] = -torch.linalg.vecdot(p, log_q)  # (a batched product is slow for rows this small)
-                if not (tv or want_tv):  # the plain cross-entropy: no pass over |q − p|
-                    g.sub_(p)
-                    continue
-                if mass is None:
-                    pm, rest = p, 0.0
-                else:  # p is renormalised on a subset holding mass m of the full distribution: TV against the full one
-                    m = (mass[s:e] if rows is None else mass[rows[s:e]]).float()  # [c]
-                    pm, rest = p * m[:, None], 1 - m
-                diff = g - pm  # [c, V]
-                sign = torch.sign(diff)
-                tvd[s:e] = 0.5 * (torch.linalg.vecdot(sign, diff) + rest)
-                if tv:  # d TV/dz = ½ q ⊙ (s − Σ_v s q), s = sign(q − p)
-                    loss[s:e] += tv * tvd[s:e]
-                    sign.sub_(torch.linalg.vecdot(sign, g)[:, None]).mul_(0.5 * tv)
-                    g.addcmul_(g, sign)  # q + tv·½ q ⊙ (s − Σ s q)
-                g.sub_(p)
+                if want_tv:  # one more pass, over |q − p|
+                    if mass is None:
+                        pm, rest = p, 0.0
+                    else:  # p is renormalised on a subset holding mass m of the full distribution: TV against the full one
+                        m = (mass[s:e] if rows is None else mass[rows[s:e]]).float()  # [c]
+                        pm, rest = p * m[:, None], 1 - m
+                    tvd[s:e] = 0.5 * ((g - pm).abs().sum(-1) + rest)
+                g.sub_(p)  # softmax − p
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(tvd)
         return loss, tvd
@@ -345,23 +332,21 @@ class _RowCE(torch.autograd.Function):
             raise RuntimeError("row_ce: a second backward through the same graph (retain_graph) is not supported")
         ctx.spent = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(g[:, None]), None, None, None, None, None, None, None  # the buffer is this call's own: scaled in place, once
+        return grad.mul_(g[:, None]), None, None, None, None, None, None  # the buffer is this call's own: scaled in place, once
 
 
 def row_ce(z: torch.Tensor, labels: torch.Tensor | None = None, teacher: torch.Tensor | None = None,
-           rows: torch.Tensor | None = None, teacher_is_probs: bool = False, tv: float = 0.0,
-           return_tv: bool = False, mass: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           rows: torch.Tensor | None = None, teacher_is_probs: bool = False, return_tv: bool = False, mass: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy [N] of logits z [N, V] (differentiable in z only): against the data tokens ``labels``
     [N], or against the target's distribution for each row, ``teacher`` [R, V] (logits, or probabilities with
-    ``teacher_is_probs``) at row ``rows`` [N] of it (default: row n for row n). ``tv`` > 0 adds that weight of the
-    total variation ½Σ|q − p| to each row's loss; ``return_tv`` also returns the total variation [N] (not
-    differentiable; 1 − it is the T=1 acceptance chance of a token drawn from the head). ``mass`` [R] (rows as
+    ``teacher_is_probs``) at row ``rows`` [N] of it (default: row n for row n). ``return_tv`` also returns the
+    total variation ½Σ|q − p| [N] (not differentiable; 1 − it is the T=1 acceptance chance of a token drawn from the head). ``mass`` [R] (rows as
     ``teacher``): the teacher rows are a distribution renormalised on the head's vocabulary, which holds that mass of
     the full one; the cross-entropy reads them as given, the total variation is against the full distribution (the
     mass outside counts as rejected)."""
     if (labels is None) == (teacher is None):
         raise ValueError("row_ce: give exactly one of labels and teacher")
-    loss, tvd = _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs, float(tv), mass, return_tv)
+    loss, tvd = _RowCE.apply(z.float(), labels, teacher, rows, teacher_is_probs, mass, return_tv)
     return (loss, tvd) if return_tv else loss
 
 
@@ -373,12 +358,12 @@ def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
 
 
 def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tensor,
-                   teacher_top: torch.Tensor, ahead: int, teacher_logits: torch.Tensor | None = None, tv: float = 0.0
+                   teacher_top: torch.Tensor, ahead: int, teacher_logits: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss of the logits ``project(hidden)`` that predict token t+1+ahead at position t (Medusa head k, MTP
     depth k+1: ahead = k+1), weighted by that token's loss mask: hard CE on the data token or, given the target's
     logits [B, T, V], soft CE against its distribution for that token (at t+ahead). Also the top-1 agreement with
-    the target's own guess there (``teacher_top`` [B, T]); ``tv``: weight of :func:`row_ce`'s total-variation term.
+    the target's own guess there (``teacher_top`` [B, T]).
     Returns (loss, correct, total, accepted): accepted sums Σ_v min(p, q) over the scored positions (the T=1
     acceptance; against a data token, q of that token).
 
@@ -390,9 +375,9 @@ def lookahead_loss(hidden: torch.Tensor, project, ids: torch.Tensor, loss_mask: 
     b, t = w.nonzero(as_tuple=True)  # the N scored positions
     z = project(hidden[b, t])  # [N, V]
     if teacher_logits is not None:
-        loss, tvd = row_ce(z, teacher=teacher_logits.reshape(B * T, -1), rows=b * T + t + ahead, tv=tv, return_tv=True)
+        loss, tvd = row_ce(z, teacher=teacher_logits.reshape(B * T, -1), rows=b * T + t + ahead, return_tv=True)
     else:
-        loss, tvd = row_ce(z, labels=ids[b, t + n], tv=tv, return_tv=True)  # [N], [N]
+        loss, tvd = row_ce(z, labels=ids[b, t + n], return_tv=True)  # [N], [N]
     wn = w[b, t]
     loss = (loss * wn).sum() / wn.sum().clamp_min(1.0)
     with torch.no_grad():

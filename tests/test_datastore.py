@@ -64,7 +64,6 @@ def test_drafter_longest_suffix_first_and_the_current_text_at_equal_length(store
     d.start(torch.tensor([10, 11, 50, 51, 10]), None)
     assert d.propose(11, 3, Sampler()).tokens.tolist() == [50, 51, 10]  # equal n: the current text first
     assert d.propose_tree(11, TreeSpec(8, 3, 4), Sampler()).parents.tolist() == [-1, 0, 1]  # its one branch
-    assert DatastoreDrafter(str(store), context=False, min_ngram=2).propose(11, 2, Sampler()).tokens.numel() == 0
     d.start(torch.tensor([30, 31]), None)
     assert d.propose(32, 3, Sampler()).tokens.numel() == 0
     assert d.propose_tree(32, TreeSpec(), Sampler()).tokens.numel() == 0
@@ -137,47 +136,13 @@ def test_cli_builds_a_datastore_and_names_a_missing_source(tiny_target_dir, tiny
     assert r.returncode == 2 and len(err) == 1 and "none.jsonl" in err[0] and not (tmp_path / "ds2").exists()
 
 
-def test_a_datastore_match_joins_the_heads_draft_and_a_match_in_the_text_drafts_alone(store):
-    """With a head (LookupUnion, skip_after=0): the current text's continuation drafts alone, the datastore's is
-    merged into the head's tree as one more branch."""
-    from eval.decoding.lookup import LookupUnion
-    from eval.decoding.decoder import Proposal
-    from test_tree_heads import _Fixed
+def test_a_drafter_config_with_an_unknown_key_is_one_line():
+    """A removed or misspelt argument of a drafter's factory names the entry and the key, before anything loads."""
+    from eval.decoding.drafters import build_drafter
 
-    T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    tree, spec = Proposal(T(12, 40), None, T(-1, -1)), TreeSpec(budget=8, depth=3, topk=2)
-    u = LookupUnion(_Fixed(tree), DatastoreDrafter(str(store), max_ngram=2, min_ngram=2), lookup_k=3, skip_after=0)
-    u.start(T(5, 10), None)
-    p = u.propose_tree(11, spec, Sampler())  # "10 11": the datastore's 12 13 joins the head's 12
-    assert p.tokens.tolist() == [12, 40, 13] and p.parents.tolist() == [-1, -1, 0] and p.usual
-    u.start(T(10, 11, 60, 61, 10), None)
-    p = u.propose_tree(11, spec, Sampler())  # "10 11" earlier in the text: its continuation alone
-    assert p.tokens.tolist() == [60, 61, 10] and not p.usual
-
-
-def test_a_long_datastore_match_drafts_alone_with_alone_ngram(store):
-    """``alone_ngram``: a datastore match of at least that many tokens drafts the round alone, as a match in the
-    current text does; a shorter one still joins the head's draft; bad values are one line."""
-    from eval.decoding.lookup import LookupUnion
-    from eval.decoding.decoder import Proposal
-    from test_tree_heads import _Fixed
-
-    T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    tree, spec = Proposal(T(12, 40), None, T(-1, -1)), TreeSpec(budget=8, depth=3, topk=2)
-    u = LookupUnion(_Fixed(tree), DatastoreDrafter(str(store), max_ngram=3, min_ngram=2, alone_ngram=3), lookup_k=3)
-    u.start(T(5, 10), None)
-    p = u.propose_tree(11, spec, Sampler())  # "10 11" (2 tokens) found: merged into the head's tree
-    assert p.tokens.tolist() == [12, 40, 13] and p.usual
-    u.start(T(7, 10, 11), None)
-    p = u.propose_tree(12, spec, Sampler())  # "10 11 12" (3 tokens): the datastore's continuation alone
-    assert p.tokens.tolist() == [13] and not p.usual
-    for bad in (1, 4):
-        with pytest.raises(UserError, match=f"alone_ngram={bad}"):
-            DatastoreDrafter(str(store), max_ngram=3, min_ngram=2, alone_ngram=bad)
-    from eval.decoding.drafters import load_head_with_lookup
-
-    with pytest.raises(UserError, match="alone_ngram: only with datastore="):
-        load_head_with_lookup("assets/embedded-eagle", None, alone_ngram=3)
+    node = {"_target_": "eval.decoding.drafters.load_head_with_lookup", "path": "assets/embedded-eagle", "datastore": "x"}
+    with pytest.raises(UserError, match="drafters.floor .*datastore"):
+        build_drafter(node, None, name="floor")
 
 
 @pytest.mark.parametrize("name,vocab", [("smollm2", 49152), ("embedded", 8192)])

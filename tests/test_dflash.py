@@ -67,31 +67,6 @@ def test_no_leak_from_anchor_features_or_other_blocks(monkeypatch):
     assert torch.allclose(captured["h"][0].view(2, head.block_size, -1)[0], base[0], atol=1e-5)
 
 
-def test_soft_targets_are_the_target_distribution_for_each_slot_token(monkeypatch):
-    """``soft``: slot k of the block anchored at a learns the target's distribution at a+k−1 (the one for token
-    a+k). A teacher certain of some token t at a+k−1 gives the loss that the hard label t at a+k gives."""
-    target, head = make_head(CFG, num_anchors=2)
-    T, V = 16, target.config.vocab_size
-    ids = torch.randint(0, 120, (1, T), generator=torch.Generator().manual_seed(0))
-    ones = torch.ones(1, T, dtype=torch.long)
-    feats = target(ids, return_logits=True)
-    monkeypatch.setattr(head, "sample_anchors", lambda lm, v: (torch.tensor([[0, 8]]), torch.tensor([[True, True]])))
-    other = (ids + 1) % V
-    other[0, [0, 8]] = ids[0, [0, 8]]  # the anchors (block inputs) stay; every labelled token changes
-
-    def teacher_sure_of(tokens):  # logits at position p certain of tokens[p+1]
-        nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
-        return type(feats)(tap_states=feats.tap_states, last_state=feats.last_state,
-                           logits=60.0 * torch.nn.functional.one_hot(nxt, V).float())
-
-    hard = [head.training_loss({"input_ids": x, "loss_mask": ones, "attention_mask": ones}, feats).loss for x in (ids, other)]
-    assert not torch.allclose(hard[0], hard[1])
-    head.soft = True
-    for x, want in zip((ids, other), hard):
-        soft = head.training_loss({"input_ids": ids, "loss_mask": ones, "attention_mask": ones}, teacher_sure_of(x)).loss
-        assert torch.allclose(soft, want, rtol=1e-4), (soft, want)
-
-
 def test_frozen_embedding_and_head_match_the_target():
     target, head = make_head(CFG)
     assert torch.equal(head.embed_tokens.weight, target.embed_tokens().weight)

@@ -305,19 +305,20 @@ def test_eval_loads_a_speculators_export(target_dir, tmp_path):
 def test_load_head_sets_decoding_settings_and_refuses_others(target_dir, tmp_path):
     from eval.decoding.drafters import load_head
 
-    _, head = make_head("dspark", target_dir)
-    head.export(tmp_path / "draft")
     target = FrozenTarget(str(target_dir))
-    assert load_head(str(tmp_path / "draft"), target).confidence_threshold == 0.0
-    cut = load_head(str(tmp_path / "draft"), target, decode={"confidence_threshold": 0.5})
-    assert cut.confidence_threshold == 0.5 and cut.init_args["confidence_threshold"] == 0.5
-    with pytest.raises(UserError, match=r"decode.block_size: not a decoding setting of DSparkHead \(it has: confidence_threshold\)"):
-        load_head(str(tmp_path / "draft"), target, decode={"block_size": 4})
-    with pytest.raises(UserError, match="decode.confidence_threshold='high': expected a float"):
-        load_head(str(tmp_path / "draft"), target, decode={"confidence_threshold": "high"})
     _, mtp = make_head("mtp", target_dir)
     mtp.export(tmp_path / "mtp")
-    assert load_head(str(tmp_path / "mtp"), target, decode={"reuse_last_module": True}).max_draft is None
+    assert load_head(str(tmp_path / "mtp"), target).max_draft == mtp.num_steps
+    past = load_head(str(tmp_path / "mtp"), target, decode={"reuse_last_module": True})
+    assert past.max_draft is None and past.init_args["reuse_last_module"] is True
+    with pytest.raises(UserError, match=r"decode.num_modules: not a decoding setting of MTPHead \(it has: reuse_last_module\)"):
+        load_head(str(tmp_path / "mtp"), target, decode={"num_modules": 4})
+    with pytest.raises(UserError, match="decode.reuse_last_module='yes': expected a bool"):
+        load_head(str(tmp_path / "mtp"), target, decode={"reuse_last_module": "yes"})
+    _, dspark = make_head("dspark", target_dir)
+    dspark.export(tmp_path / "dspark")
+    with pytest.raises(UserError, match=r"decode.block_size: not a decoding setting of DSparkHead \(it has: none\)"):
+        load_head(str(tmp_path / "dspark"), target, decode={"block_size": 4})
     with pytest.raises(UserError, match="decode.reuse_last_module='false': expected a bool"):
         load_head(str(tmp_path / "mtp"), target, decode={"reuse_last_module": "false"})
 

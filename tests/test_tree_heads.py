@@ -147,72 +147,60 @@ class _Fixed:
         return self.prop
 
 
-def test_lookup_union_adds_the_lookup_branch_to_the_heads_tree():
+def test_lookup_union_adds_the_lookup_branch_to_a_sampled_tree():
+    """sampled_union: at T>0 the lookup's chain is walked from the root of the head's sampled tree, following the
+    nodes that hold its tokens, the rest joining as point-mass nodes; by default the head drafts alone."""
     from eval.decoding.lookup import LookupUnion
     from eval.decoding.decoder import Proposal
 
     T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    tree = Proposal(T(10, 11, 12), None, T(-1, -1, 0))
-    spec = TreeSpec(budget=8, depth=3, topk=2)
+    tree = Proposal(T(10, 11, 12), torch.full((3, 16), 1 / 16), T(-1, -1, 0))
+    spec, sampled = TreeSpec(budget=8, depth=3, topk=2), Sampler(1.0)
 
-    def union(head, chain, sampler=Sampler()):
-        return LookupUnion(_Fixed(head), _Fixed(Proposal(chain)), lookup_k=5, skip_after=None,
-                           sampled_union=True).propose_tree(0, spec, sampler)
+    def union(head, chain):
+        return LookupUnion(_Fixed(head), _Fixed(Proposal(chain)), lookup_k=5, sampled_union=True).propose_tree(0, spec, sampled)
 
     p = union(tree, T(10, 12, 7))  # follows nodes 0 and 2, adds 7 below node 2
-    assert p.tokens.tolist() == [10, 11, 12, 7] and p.parents.tolist() == [-1, -1, 0, 2]
+    assert p.tokens.tolist() == [10, 11, 12, 7] and p.parents.tolist() == [-1, -1, 0, 2] and p.usual
+    assert p.point.tolist() == [False, False, False, True] and p.probs.shape == (4, 16)
+    assert torch.equal(p.probs[:3], tree.probs) and not p.probs[3:].any()
     p = union(tree, T(5, 6))  # a new branch from the root
     assert p.tokens.tolist() == [10, 11, 12, 5, 6] and p.parents.tolist() == [-1, -1, 0, -1, 3]
     assert union(tree, T(10, 12)) is tree and union(tree, T()) is tree  # nothing new: the head's own proposal
-    sampled = Proposal(T(10, 11), torch.full((2, 16), 1 / 16), T(-1, -1))
-    p = union(sampled, T(3, 4), Sampler(1.0))  # sampling: the lookup's branch joins as point masses
-    assert p.tokens.tolist() == [10, 11, 3, 4] and p.parents.tolist() == [-1, -1, -1, 2] and p.usual
-    assert p.point.tolist() == [False, False, True, True] and p.probs.shape == (4, 16)
-    assert torch.equal(p.probs[:2], sampled.probs) and not p.probs[2:].any()
-    p = union(sampled, T(3, 4, 5, 6), Sampler(1.0))  # deeper than the head's tree: outside k=auto's estimates
-    assert p.tokens.tolist() == [10, 11, 3, 4, 5, 6] and not p.usual
-    head_only = LookupUnion(_Fixed(sampled), _Fixed(Proposal(T(3, 4))))
-    assert head_only.propose_tree(0, spec, Sampler(1.0)) is sampled  # by default: the head alone
-    chain = LookupUnion(_Fixed(Proposal(T(10, 11, 13))), _Fixed(Proposal(T(10, 4))), lookup_k=5, skip_after=None).propose(0, 2, Sampler())
-    assert chain.tokens.tolist() == [10, 11, 4] and chain.parents.tolist() == [-1, 0, 0]  # the chain cut to k first
+    p = union(tree, T(3, 4, 5, 6))  # deeper than the head's tree: outside k=auto's estimates
+    assert p.tokens.tolist() == [10, 11, 12, 3, 4, 5, 6] and not p.usual
+    head_only = LookupUnion(_Fixed(tree), _Fixed(Proposal(T(3, 4))))
+    assert head_only.propose_tree(0, spec, sampled) is tree  # by default: the head alone
+    chain = Proposal(T(10, 11, 13), torch.full((3, 16), 1 / 16))
+    p = LookupUnion(_Fixed(chain), _Fixed(Proposal(T(10, 4))), lookup_k=5, sampled_union=True).propose(0, 2, sampled)
+    assert p.tokens.tolist() == [10, 11, 4] and p.parents.tolist() == [-1, 0, 0]  # the chain cut to k first
     from data.errors import UserError
 
     with pytest.raises(UserError, match="lookup_k=0"):
         LookupUnion(_Fixed(tree), _Fixed(Proposal(T(1))), lookup_k=0)
-    with pytest.raises(UserError, match="skip_after=-1"):
-        LookupUnion(_Fixed(tree), _Fixed(Proposal(T(1))), skip_after=-1)
 
 
-def test_lookup_union_lets_the_head_sit_out_while_the_lookup_is_right():
-    """skip_after=0: the lookup alone wherever it matches (a one-branch tree that no k cuts, outside k=auto's
-    estimates), the head where it does not; skip_after=1: the union until a lookup branch was accepted whole, then
-    the lookup alone until one falls short."""
+def test_lookup_union_drafts_the_lookup_alone_wherever_it_matches():
+    """Greedy: the lookup alone wherever it matches (a one-branch tree that no k cuts, outside k=auto's estimates),
+    the head where it does not, round after round."""
     from eval.decoding.lookup import LookupUnion
 
     T = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     tree, spec, greedy = Proposal(T(10, 11, 12), None, T(-1, -1, 0)), TreeSpec(budget=8, depth=3, topk=2), Sampler()
     lookup = _Fixed(Proposal(T(5, 6, 7)))
-    p = LookupUnion(_Fixed(tree), lookup, lookup_k=5, skip_after=0).propose(0, 1, greedy)
+    p = LookupUnion(_Fixed(tree), lookup, lookup_k=5).propose(0, 1, greedy)
     assert p.tokens.tolist() == [5, 6, 7] and p.parents.tolist() == [-1, 0, 1] and not p.usual
-    assert LookupUnion(_Fixed(tree), _Fixed(Proposal(T())), skip_after=0).propose_tree(0, spec, greedy) is tree
-    u = LookupUnion(_Fixed(tree), lookup, lookup_k=5, skip_after=1, sampled_union=True)
-    u.start(T(1, 2), None)
-    drafted = []
-    for accepted in ([5, 6], [5, 6, 7], [5, 6, 7], [5]):  # a branch cut short, two whole ones, one cut short
-        p = u.propose_tree(0, spec, greedy)
-        drafted.append("lookup" if not p.usual else "union")
-        u.commit(T(0, *accepted), None)
-    assert drafted == ["union", "union", "lookup", "lookup"] and u.propose_tree(0, spec, greedy).usual
-    p = u.propose_tree(0, spec, Sampler(1.0))  # sampling: never the lookup alone, its branch joins the head's tree
-    assert p.tokens.tolist() == [10, 11, 12, 5, 6, 7] and p.usual
+    u = LookupUnion(_Fixed(tree), _Fixed(Proposal(T())))
+    for _ in range(2):
+        assert u.propose_tree(0, spec, greedy) is tree  # no match: the head's own tree
+        u.commit(T(0, 10), None)
 
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
 def test_head_with_lookup_decodes_losslessly(cfg_path):
     """Greedy output equals plain decoding, chain and tree, on a prompt that repeats (the lookup matches), and stops
-    at exactly max_new_tokens although the lookup branch may reach past it; also when the head sits out the rounds
-    after a fully accepted lookup branch (``skip_after``: the head catches up at its next draft), where k=auto
-    learns only from the rounds the head drafted."""
+    at exactly max_new_tokens although the lookup branch may reach past it; the head sits out the rounds the lookup
+    drafts (it catches up at its next draft), and k=auto learns only from the rounds the head drafted."""
     from eval.decoding.autok import AutoK
     from eval.decoding.lookup import LookupUnion, NGramDrafter
 
@@ -235,14 +223,12 @@ def test_head_with_lookup_decodes_losslessly(cfg_path):
             return out
 
     for tree in (None, TreeSpec(budget=6, depth=3, topk=2)):
-        for skip_after in (None, 0, 1):
-            union = Counting(copy.deepcopy(head), NGramDrafter(3, 1), lookup_k=8, skip_after=skip_after)
-            k = AutoK([1.0, 1.01, 1.02, 1.03], t1=1e6, learn_verify=False) if skip_after is not None else 2
-            out, st = dec.generate(prompt, union, k=k, max_new_tokens=17, tree=tree)
-            assert out == want and len(out) == 17
-            assert (union.grown >= 1) == (skip_after != 0) and (union.skipped >= 1) == (skip_after is not None)
-            if skip_after is not None:  # k=auto learnt from the head's rounds only
-                assert sum(rounds for _, rounds in k.nodes_seen.values()) == st.passes - union.skipped
+        union = Counting(copy.deepcopy(head), NGramDrafter(3, 1), lookup_k=8)
+        k = AutoK([1.0, 1.01, 1.02, 1.03], t1=1e6, learn_verify=False)
+        out, st = dec.generate(prompt, union, k=k, max_new_tokens=17, tree=tree)
+        assert out == want and len(out) == 17
+        assert union.grown == 0 and union.skipped >= 1 and st.passes > union.skipped  # both drafted some rounds
+        assert sum(rounds for _, rounds in k.nodes_seen.values()) == st.passes - union.skipped  # the head's rounds only
         # sampling: the lookup's branch joins the head's sampled draft as point masses (distribution: test_decoder_trees)
         union = Counting(copy.deepcopy(head), NGramDrafter(3, 1), lookup_k=8, sampled_union=True)
         out, st = dec.generate(prompt, union, k=3, max_new_tokens=17, tree=tree,

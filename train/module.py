@@ -23,18 +23,13 @@ from train.schedule import warmup_cosine, warmup_cosine_by
 class DraftModule(L.LightningModule):
     def __init__(self, target: Any, head: Any, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_ratio: float = 0.04, min_lr_ratio: float = 0.0,
-                 feature_noise_std: float = 0.0, time_budget_s: float | None = None):
+                 time_budget_s: float | None = None):
         super().__init__()
         if time_budget_s is not None and (not isinstance(time_budget_s, (int, float)) or not 0 < time_budget_s < float("inf")):
             from data.errors import UserError
 
             raise UserError(f"time_budget_s={time_budget_s}: seconds of training, a number > 0 (or null for a step budget)")
         self.time_budget_s = time_budget_s  # the schedule runs on the share of it spent (train.callbacks.TimeBudget stops)
-        if not isinstance(feature_noise_std, (int, float)) or not 0 <= feature_noise_std < float("inf"):
-            from data.errors import UserError
-
-            raise UserError(f"optim.feature_noise_std={feature_noise_std}: must be a number >= 0")
-        self.feature_noise_std = float(feature_noise_std)  # Gaussian noise on the target features, training steps only
         check_optim(lr, weight_decay, betas, warmup_ratio, min_lr_ratio)
         self.target, self.head = target, head
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
@@ -69,10 +64,7 @@ class DraftModule(L.LightningModule):
             return self.target(batch["input_ids"], attention_mask=batch["attention_mask"], return_logits=need_logits)
 
     def _step(self, batch: dict[str, torch.Tensor]):
-        feats = self.features(batch)
-        if self.training and self.feature_noise_std > 0:
-            feats = with_feature_noise(feats, self.feature_noise_std)
-        return self.head.training_loss(batch, feats)
+        return self.head.training_loss(batch, self.features(batch))
 
     # -- loops ----------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], _: int) -> torch.Tensor:
@@ -151,15 +143,6 @@ class DraftModule(L.LightningModule):
         self.train_tokens = int(ckpt.get("train_tokens", 0))
         self.loaded_val_metrics = dict(ckpt.get("val_metrics") or {})
         self._rng_to_restore = rng_state_of_this_rank(ckpt)
-
-
-def with_feature_noise(feats: TargetOutput, std: float) -> TargetOutput:
-    """The head's inputs (tap states, last state) plus N(0, std²) noise; the teacher's logits stay clean
-    (speculators trains EAGLE-3 with std 0.05: the draft learns to cope with features that are not exact)."""
-    def noisy(x: torch.Tensor) -> torch.Tensor:
-        return x + std * torch.randn_like(x)
-
-    return TargetOutput(tap_states=noisy(feats.tap_states), last_state=noisy(feats.last_state), logits=feats.logits)
 
 
 def rng_states() -> dict:

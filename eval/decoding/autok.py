@@ -9,21 +9,20 @@ tried, all of it per token). The fit runs through each length's *median* over it
 by their count, and a prompt's first round is left out: that round also catches the drafter up on the whole
 prompt (MTP runs every depth over it), and the rounds after a long stretch at a shorter length catch deeper MTP
 depths up on the positions they missed. Such rounds cost several ordinary ones (MTP's first rounds: 1.8–3.3 T(1)
-against 0.65–0.94 for a usual 3-token round); in a plain least-squares sum a few of them at the longer lengths can
-tilt the slope, and one evaluation under that fit held MTP at k=1 for a whole prompt set (HumanEval: 883 of 957
-rounds at k=1 with acceptance 0.87, 0.87, 0.94). Acceptance is learnt while decoding:
+against 0.65–0.94 for a usual 3-token round), so in a plain least-squares sum a few of them at the longer lengths
+tilt the slope until the longer drafts look dear and k stays at 1 although later positions accept well; medians
+are robust to them. Acceptance is learnt while decoding:
 position j's accepted/reached counts give a Beta(1 + accepted, 1 + rejected) posterior, and each round k is chosen for a_j *drawn* from those posteriors
 (Thompson sampling), not for their means. With the means alone, a position that failed a few early tries looks
-bad, k stops reaching it, and its estimate is never corrected (a head whose position-2 acceptance was 0.8 could
-stay at k=1 for a whole run); drawing keeps trying a position in proportion to the chance that it pays, and
+bad, k stops reaching it, and its estimate is never corrected; drawing keeps trying a position in proportion to
+the chance that it pays, and
 settles on the best k as the counts grow. k never goes below 1, so acceptance keeps being measured; choosing k
 does not change the output (the decoder stays lossless for any k). Draws come from a seeded generator.
 
 The verify curve is learnt while decoding too. The curve measured at the start is one short benchmark, and one
-disturbance during it is enough to mislead every round after (a run whose curve read 1.18 at d = 3 instead of about
-1.05 drafted 2 tokens in 711 of 723 rounds where its neighbours drafted 5, τ 2.59 against 3.79, same head and
-code). Single rounds are no better: one evaluation's verify passes of 3 drafted tokens spread from 9.4 to 16.0 ms
-between the 10th and 90th percentiles. So the cost of verifying d drafted tokens is taken as a line, α + β·d for
+disturbance during it (another process on a shared core) is enough to make one length look dear to every round
+after; single rounds' verify times are too noisy to replace it (on a 2-core CPU the verify passes of 3 drafted
+tokens spread by a factor of 1.7 between the 10th and 90th percentiles). So the cost of verifying d drafted tokens is taken as a line, α + β·d for
 d >= 1 (β >= 0), fitted by weighted least squares through the start curve's points (``PRIOR_WEIGHT`` rounds each)
 and, per size verified while decoding (``MIN_VERIFY`` rounds or more), the median of its last ``VERIFY_WINDOW``
 verify times (as many rounds each). One bad point of the start curve then moves the line a little instead of

@@ -25,7 +25,12 @@ def build_drafter(node: Any, target: Any, name: str = "drafter") -> Any:
     part = instantiate(node, _partial_=True)
     fn = part.func if hasattr(part, "func") else part
     takes_target = "target" in inspect.signature(fn).parameters
-    drafter = part(target=target) if takes_target else part()
+    extra = {"target": target} if takes_target else {}
+    try:  # an unknown or missing key is the config's mistake: one line, not a traceback from the call
+        inspect.signature(fn).bind(*part.args, **part.keywords, **extra)
+    except TypeError as e:
+        raise UserError(f"drafters.{name} ({node.get('_target_')}): {e}") from None
+    drafter = part(**extra)
     if tree is not None:
         if not hasattr(drafter, "propose_tree"):
             raise UserError(f"drafters.{name}.tree: {type(drafter).__name__} drafts chains only (remove tree:)")
@@ -49,7 +54,7 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
     every layer in fp32, ``bfloat16`` in bf16 (half the
     bytes a drafted token reads; CPUs with bf16 instructions). Measure with ``eval.bench_decode``; the draft's
     logits change in their last bits, the output does not. ``decode``: settings that only change how the head drafts
-    (its class's ``decode_settings``, such as DSpark's ``confidence_threshold``), replacing the exported ones."""
+    (its class's ``decode_settings``, such as MTP's ``reuse_last_module``), replacing the exported ones."""
     from models.cpu_linear import pack_fastest, pack_linears
     from models.formats import load_draft
     from models.target import DTYPES
@@ -78,23 +83,15 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
 
 
 def load_head_with_lookup(path: str, target: Any, lookup_k: int = 8, max_ngram: int = 3, min_ngram: int = 2,
-                          skip_after: int | None = 0, linear_dtype: str = "auto", decode: dict | None = None,
-                          datastore: str | None = None, alone_ngram: int | None = None,
-                          sampled_union: bool = False) -> Any:
-    """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.decoding.lookup.LookupUnion`). By default the lookup's continuation drafts alone wherever it finds a match and
-    the head elsewhere (``skip_after=0``); ``skip_after: null`` adds the lookup as one more branch of every head's
-    proposal instead (measured slower: eval/RESULTS.md, "A head with prompt lookup"). ``datastore``: a datastore of
-    the target's answers (:mod:`eval.datastore`) is looked up after the current text; its matches of at least
-    ``alone_ngram`` tokens draft alone too (None: they join the head's draft). ``sampled_union``: when sampling, the
-    lookup's continuation joins the head's sampled draft as point-mass nodes (default false: the head drafts alone)."""
+                          linear_dtype: str = "auto", decode: dict | None = None, sampled_union: bool = False) -> Any:
+    """A trained head (:func:`load_head`) with prompt lookup (:class:`eval.decoding.lookup.LookupUnion`): greedy, the
+    lookup's continuation drafts alone wherever it finds a match and the head elsewhere. ``sampled_union``: when
+    sampling, the lookup's continuation joins the head's sampled draft as point-mass nodes (default false: the head
+    drafts alone)."""
     from eval.decoding.lookup import LookupUnion, NGramDrafter
-    from eval.decoding.datastore import DatastoreDrafter
 
-    if alone_ngram is not None and not datastore:
-        raise UserError("alone_ngram: only with datastore= (a prompt-lookup match always drafts alone)")
-    lookup = (DatastoreDrafter(datastore, target, max_ngram, min_ngram, alone_ngram=alone_ngram) if datastore
-              else NGramDrafter(max_ngram, min_ngram))
-    return LookupUnion(load_head(path, target, linear_dtype, decode), lookup, lookup_k, skip_after, sampled_union)
+    return LookupUnion(load_head(path, target, linear_dtype, decode), NGramDrafter(max_ngram, min_ngram), lookup_k,
+                       sampled_union)
 
 
 def load_model_drafter(path: str, target: Any = None, dtype: str = "float32") -> Any:

@@ -9,8 +9,7 @@
 - Training: per sequence up to ``num_anchors`` random anchors a with ``loss_mask[a]`` and ``loss_mask[a+1]``
   set, packed into one pass; a block sees context rows strictly before its anchor and its own block,
   never another block (:func:`block_mask`). Slot k (1..B−1) is labelled with token a+k, the anchor slot is
-  not trained; CE weighted ``exp(−(k−1)/γ)``, on the data token or (``soft``) against the target's distribution
-  for it, which on data the target did not write (original ShareGPT answers) is what decoding will meet.
+  not trained; CE on the data token weighted ``exp(−(k−1)/γ)``.
 - Decoding: the context K/V of committed tokens is cached per layer and extended after each round; one
   forward per round proposes up to B−1 tokens (the decoder then verifies them like any draft), or a tree at most
   B−1 deep whose nodes at depth d all take their children from slot d+1 (the block does not see the drafts).
@@ -97,10 +96,9 @@ class DFlashHead(DraftHead):
 
     def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 64,
                  gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,
-                 qk_norm: bool = False, soft: bool = False):
+                 qk_norm: bool = False):
         super().__init__(target, block_size=block_size, num_layers=num_layers, num_anchors=num_anchors, gamma=gamma,
-                         mask_token_id=mask_token_id, rms_eps=rms_eps, qk_norm=qk_norm, soft=soft)
-        self.soft = bool(soft)
+                         mask_token_id=mask_token_id, rms_eps=rms_eps, qk_norm=qk_norm)
         tc = target.config
         if block_size < 2:
             raise UserError(f"draft.block_size={block_size}: must be >= 2 (the anchor and at least one drafted token)")
@@ -193,10 +191,7 @@ class DFlashHead(DraftHead):
         rows = (w > 0).nonzero(as_tuple=True)  # the M scored slots: only they are projected onto the vocabulary
         z = self.lm_head(h[rows]).float()  # [M, V]
         b, at = rows[0], before[rows]  # [M] each
-        if self.soft:  # against the target's distribution for token a+k (its logits at a+k−1), not the data token
-            ce = row_ce(z, teacher=feats.logits.flatten(0, 1), rows=b * T + at)  # [M]
-        else:
-            ce = row_ce(z, labels=labels[rows])  # [M]
+        ce = row_ce(z, labels=labels[rows])  # [M]
         loss = (ce * w[rows]).sum() / float(max(b.numel(), 1))
         with torch.no_grad():
             t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position

@@ -6,11 +6,11 @@
   ``W2 = Linear(r, V)`` (zero-initialised, so it starts as plain DFlash); x_{k−1} is the token at the
   slot's own position (the anchor for k=0): teacher-forced in training, drafted left to right at inference.
 - Confidence head: ``c_k = σ(wᵀ[h_k; W1[x_{k−1}]])`` trained towards ``1 − ½‖p_draft − p_target‖₁`` (the
-  probability that a sampled draft token is accepted); the decoder cuts a block where the running product
-  of confidences falls below ``confidence_threshold`` (output stays lossless: it only proposes fewer).
+  probability that a sampled draft token is accepted), as the paper's, so exports carry it; decoding does not cut
+  blocks by it: a cut where the running product fell below 0.3 drafted a lower τ than ``k=auto``'s lengths on every
+  set and temperature and ran slower in five of six (embedded target, 2-core Intel Xeon, 2026-12-01).
 - Trees (:meth:`DSparkHead.propose_tree`): slot d−1 with the Markov term of the node's own token gives the
-  children of a node at depth d−1; the confidence cut-off is not applied there (its running product follows
-  one chain), trees stop by ``tree.min_prob`` on the draft's path probability instead.
+  children of a node at depth d−1; trees stop by ``tree.min_prob`` on the draft's path probability.
 - Loss ``0.1·CE + 0.9·TV + 1.0·conf`` per slot, weighted ``exp(−k/γ)``; TV and the confidence target need
   the target's distribution (from its last hidden state through its head).
 """
@@ -31,23 +31,19 @@ from models.layers import row_ce
 
 class DSparkHead(DFlashHead):
     family = "dspark"
-    decode_settings = ("confidence_threshold",)
 
     def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 32,
                  gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,
-                 markov_rank: int = 256, confidence_threshold: float = 0.0,
+                 markov_rank: int = 256,
                  loss_weights: tuple[float, float, float] = (0.1, 0.9, 1.0), qk_norm: bool = False):
         super().__init__(target, block_size, num_layers, num_anchors, gamma, mask_token_id, rms_eps, qk_norm)
-        self.init_args.pop("soft")  # DSpark's loss already matches the target's distribution (TV); no hard/soft switch
-        self.init_args.update(markov_rank=markov_rank, confidence_threshold=confidence_threshold,
-                              loss_weights=list(loss_weights))
+        self.init_args.update(markov_rank=markov_rank, loss_weights=list(loss_weights))
         d, V = target.config.hidden_size, target.config.vocab_size
         r = min(markov_rank, V)
         self.markov_in = nn.Embedding(V, r)          # W1
         self.markov_out = nn.Linear(r, V, bias=False)  # W2
         nn.init.zeros_(self.markov_out.weight)
         self.confidence = nn.Linear(d + r, 1)
-        self.confidence_threshold = confidence_threshold
         self.loss_weights = tuple(loss_weights)
 
     @property
@@ -107,17 +103,13 @@ class DSparkHead(DFlashHead):
         k = min(k, self.max_draft)
         h = self._full_block(pending)[:k]  # [k, d]: the whole block as in training, its first k slots
         base = self.lm_head(h)  # [k, V]
-        prev, run = pending, 1.0
+        prev = pending
         tokens, probs = [], []
         for j in range(k):
             m = self.markov_in.weight[prev]
             logits = base[j] + self.markov_out(m)
             t, q = draw(logits, sampler)
             t = int(t)
-            if self.confidence_threshold > 0:
-                run *= float(torch.sigmoid(self.confidence(torch.cat([h[j], m.to(h.dtype)]))))
-                if j > 0 and run < self.confidence_threshold:
-                    break  # cut the block: this and later tokens are unlikely to be accepted
             tokens.append(t)
             probs.append(q)
             prev = t
@@ -126,8 +118,8 @@ class DSparkHead(DFlashHead):
     @torch.no_grad()
     def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
         """A draft tree at most B deep from one block pass: a node at depth d (the root, the pending token: 0)
-        with token x gets its children from ``base[d] + W2(W1[x])``, the logits ``propose`` uses after x.
-        ``confidence_threshold`` is ignored (see the module docstring): set ``tree.min_prob`` for adaptive length."""
+        with token x gets its children from ``base[d] + W2(W1[x])``, the logits ``propose`` uses after x; set
+        ``tree.min_prob`` for adaptive length."""
         tree = self.within_reach(tree)
         base = self.lm_head(self._full_block(pending)[: tree.depth])  # [depth, V]: slot d predicts the token at depth d+1
 

@@ -30,11 +30,11 @@ class EagleHead(Eagle3Head):
     def __init__(self, target: Any, feature_weight: float = 0.1, ttt_steps: int = 1, draft_vocab_size: int | None = None,
                  step_decay: float = 0.8, num_heads: int | None = None, num_kv_heads: int | None = None,
                  intermediate_size: int | None = None, rope_theta: float | None = None, rms_eps: float = 1e-6,
-                 freeze_lm_head: bool = True, feature_target: str = "input", tv_weight: float = 0.0):
+                 freeze_lm_head: bool = True):
         super().__init__(target, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, step_decay=step_decay,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                          rope_theta=rope_theta, rms_eps=rms_eps, freeze_lm_head=freeze_lm_head,
-                         feature_weight=feature_weight, feature_target=feature_target, tv_weight=tv_weight)
+                         feature_weight=feature_weight)
         del self.fc, self.norm  # the feature enters as it is and leaves straight into lm_head
 
     def fuse(self, feats: Any) -> torch.Tensor:

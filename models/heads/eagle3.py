@@ -11,13 +11,9 @@
 - Loss: soft cross-entropy against the target's distribution restricted to the draft vocabulary, step
   weights ``step_decay**j``; positions whose target argmax is outside the draft vocabulary are masked.
   Optionally (``feature_weight`` > 0; EAGLE-3 itself has none) EAGLE-1's feature regression, smooth-L1 of step
-  j's output at t onto ``feature_target`` at t+1+j: ``input``, the step-0 input there (``fc`` over the taps,
-  detached), so that step j+1 reads what step 0 was trained on and steps past the trained ones stay in
-  distribution, as EAGLE-1's do; or ``final_norm``, the normed output (what ``lm_head`` reads) onto the target's
-  final-norm feature. For EAGLE-1 (:mod:`models.heads.eagle`) the two are one: its input is that feature.
-  ``tv_weight`` > 0 adds that weight of the total variation ½Σ|q − p| to each step's cross-entropy: 1 − it is
-  what exact rejection sampling accepts at T=1 (DistillSpec, arXiv 2310.08461, trains on it), while the
-  cross-entropy also spends capacity on the target's tail.
+  j's output at t onto the step-0 input at t+1+j (``fc`` over the taps there, detached), so that step j+1 reads
+  what step 0 was trained on and drafted positions past the trained steps stay in distribution, as EAGLE-1's do
+  (for EAGLE-1, :mod:`models.heads.eagle`, that input is the target's final-norm feature itself).
 
 Alignment (``loss_mask`` convention of :mod:`data.chat`): at step j, position t holds hidden input for
 position t and token ``input_ids[t+1+j]``, and learns the target's distribution at position t+1+j
@@ -66,18 +62,14 @@ class Eagle3Head(DraftHead):
     def __init__(self, target: Any, ttt_steps: int = 7, draft_vocab_size: int | None = 32000, step_decay: float = 0.8,
                  num_heads: int | None = None, num_kv_heads: int | None = None, intermediate_size: int | None = None,
                  rope_theta: float | None = None, rms_eps: float = 1e-6, freeze_lm_head: bool = False,
-                 feature_weight: float = 0.0, feature_target: str = "input", tv_weight: float = 0.0):
+                 feature_weight: float = 0.0):
         super().__init__(target, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, step_decay=step_decay,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                          rope_theta=rope_theta, rms_eps=rms_eps, freeze_lm_head=freeze_lm_head,
-                         feature_weight=feature_weight, feature_target=feature_target, tv_weight=tv_weight)
+                         feature_weight=feature_weight)
         if ttt_steps < 1:
             raise UserError(f"draft.ttt_steps={ttt_steps}: must be >= 1")
-        if feature_target not in ("input", "final_norm"):
-            raise UserError(f"draft.feature_target={feature_target!r}: use input (the next step-0 input) or final_norm "
-                            "(the target's next final-norm feature)")
-        self.feature_weight, self.feature_target = loss_weight(feature_weight, "draft.feature_weight"), feature_target
-        self.tv_weight = loss_weight(tv_weight, "draft.tv_weight")
+        self.feature_weight = loss_weight(feature_weight, "draft.feature_weight")
         tc = target.config
         d, V = tc.hidden_size, tc.vocab_size
         n_taps = len(target.tap_layers)
@@ -159,16 +151,13 @@ class Eagle3Head(DraftHead):
 
     def step_loss(self, j: int, h: torch.Tensor, feats: Any, w: torch.Tensor, x0: torch.Tensor | None = None) -> torch.Tensor:
         """A loss of unroll step j beside the soft cross-entropy: ``feature_weight`` × smooth-L1 between step j's
-        output at position t and ``feature_target`` at t+1+j (the position that predicts the same token), over the
-        positions the token loss scores (``w`` [B, T]); ``x0``: the step-0 input [B, T, d] where the caller has it.
-        EAGLE-3 has none (weight 0); EAGLE-1 regresses features."""
+        output at position t (what step j+1 reads) and the step-0 input at t+1+j (the position that predicts the same
+        token), over the positions the token loss scores (``w`` [B, T]); ``x0``: the step-0 input [B, T, d] where the
+        caller has it. EAGLE-3 has none (weight 0); EAGLE-1 regresses features."""
         if self.feature_weight == 0:
             return h.new_zeros(())
-        if self.feature_target == "input":  # what step j+1 reads, in the place of the next step-0 input
-            out, f = h, shift_left((self.fuse(feats) if x0 is None else x0).detach(), 1 + j)  # [B, T, d]
-        else:  # what lm_head reads, in the place of the target's final-norm feature
-            out, f = self.feature_of(h), shift_left(feats.last_state, 1 + j).to(h.dtype)
-        return self.feature_weight * feature_regression(out, f, w)
+        f = shift_left((self.fuse(feats) if x0 is None else x0).detach(), 1 + j)  # [B, T, d]
+        return self.feature_weight * feature_regression(h, f, w)
 
     def residual(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + MLP: the pre-norm output [B, T, d] fed to the next step."""
@@ -220,14 +209,14 @@ class Eagle3Head(DraftHead):
         correct = torch.zeros(self.ttt_steps, device=ids.device)
         total = torch.zeros(self.ttt_steps, device=ids.device)
         accepted = torch.zeros(self.ttt_steps, device=ids.device)
-        x0 = self.fuse(feats)  # [B, T, d] step 0's input, also the regression's reference (feature_target: input)
+        x0 = self.fuse(feats)  # [B, T, d] step 0's input, also the feature regression's reference
         for j, h in enumerate(self.unroll(ids, valid, feats, self.ttt_steps, x0)):
             w = step_weights(loss_mask, in_vocab, valid, j)  # [B, T]
             b, t = w.nonzero(as_tuple=True)  # the N scored positions: only they are projected onto the vocabulary
             logits = self.logits_of(h[b, t])  # [N, Vd]
             wn = w[b, t]
             ce, tvd = row_ce(logits, teacher=t_probs.view(B * T, -1), rows=b * T + t + 1 + j, teacher_is_probs=True,
-                             tv=self.tv_weight, return_tv=True, mass=mass)  # [N], [N]
+                             return_tv=True, mass=mass)  # [N], [N]
             loss = loss + (self.step_decay ** j) * ((ce * wn).sum() / wn.sum().clamp_min(1.0) + self.step_loss(j, h, feats, w, x0))
             with torch.no_grad():
                 top = logits.argmax(-1)

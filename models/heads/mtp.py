@@ -128,15 +128,14 @@ class MTPHead(DraftHead):
     def __init__(self, target: Any, num_modules: int = 3, loss_weights: list[float] | None = None, soft: bool = False,
                  reuse_last_module: bool = False, rms_eps: float = 1e-6, shared_module: bool = False,
                  qk_norm: bool = False, chain_normed: bool = False, draft_vocab_size: int | None = None,
-                 feature_weight: float = 0.0, tv_weight: float = 0.0):
+                 feature_weight: float = 0.0):
         super().__init__(target, num_modules=num_modules, loss_weights=loss_weights, soft=soft,
                          reuse_last_module=reuse_last_module, rms_eps=rms_eps, shared_module=shared_module,
                          qk_norm=qk_norm, chain_normed=chain_normed, draft_vocab_size=draft_vocab_size,
-                         feature_weight=feature_weight, tv_weight=tv_weight)
+                         feature_weight=feature_weight)
         if num_modules < 1:
             raise UserError(f"draft.num_modules={num_modules}: must be >= 1")
         self.feature_weight = loss_weight(feature_weight, "draft.feature_weight")
-        self.tv_weight = loss_weight(tv_weight, "draft.tv_weight")
         weights = [0.8 ** k for k in range(num_modules)] if loss_weights is None else [float(w) for w in loss_weights]
         if len(weights) != num_modules or min(weights) < 0 or sum(weights) <= 0:
             raise UserError(f"draft.loss_weights={loss_weights}: give {num_modules} non-negative weights "
@@ -253,7 +252,7 @@ class MTPHead(DraftHead):
         for j, h in enumerate(self.depth_states(ids, feats.last_state, K)):
             lj, correct[j], total[j], accepted[j] = lookahead_loss(
                 h, lambda x, d=j + 1: self.logits(d, x), ids, loss_mask, valid, t_top, 1 + j,
-                feats.logits if self.soft else None, self.tv_weight)
+                feats.logits if self.soft else None)
             if self.feature_weight:
                 lj = lj + self.feature_weight * self.depth_regression(j, h, feats, loss_mask, valid)
             loss = loss + self.loss_weights[j] * lj
