@@ -23,7 +23,7 @@ def run(cfg: DictConfig) -> dict:
     from eval.decoding.drafters import build_drafter
     from eval.run import build_sets, count_defects, evaluate, protocol_of, write_report
     from models.target import load_tokenizer
-    target = instantiate(cfg.target)
+    target = instantiate(cfg.target, device=cfg.get("device", "auto"))  # auto: a GPU when one is visible
     tok = load_tokenizer(cfg.target.name_or_path)
     from eval.sets import PromptLengthPolicy
 

@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_model
 from data.errors import UserError
-from models.target import FrozenTarget, default_tap_layers, hf_hidden_index
+from models.target import FrozenTarget, check_collectable, default_tap_layers, hf_hidden_index
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
@@ -18,13 +18,18 @@ def test_taps_last_state_and_logits(arch):
     assert out.tap_states.shape == (2, 9, 3, 32) and out.last_state.shape == (2, 9, 32) and out.logits is None
     # tap i is the output of decoder layer i: check against running the layers by hand
     ref = model(ids, output_hidden_states=True)
-    for k, layer in enumerate([0, 2, 5]):
+    for k, layer in enumerate([0, 2]):
         assert torch.equal(out.tap_states[:, :, k], ref.hidden_states[hf_hidden_index(layer)])
     captured = {}
-    h = model.model.layers[2].register_forward_hook(lambda m, i, o: captured.setdefault("x", o[0] if isinstance(o, tuple) else o))
+    hooks = [model.model.layers[i].register_forward_hook(
+        lambda m, i, o, at=i: captured.setdefault(at, o[0] if isinstance(o, tuple) else o)) for i in (2, 5)]
     target(ids)
-    h.remove()
-    assert torch.allclose(captured["x"], out.tap_states[:, :, 1])
+    for h in hooks:
+        h.remove()
+    assert torch.allclose(captured[2], out.tap_states[:, :, 1])
+    # the last layer's tap is its output, before the final norm (Hugging Face's last hidden_states entry is after it)
+    assert torch.equal(captured[5], out.tap_states[:, :, 2])
+    assert not torch.allclose(out.tap_states[:, :, 2], ref.hidden_states[-1])
     # the last state is what feeds lm_head, and logits come only when asked
     with_logits = target(ids, return_logits=True)
     assert torch.allclose(model.lm_head(out.last_state), ref.logits, atol=1e-5)
@@ -44,7 +49,11 @@ def test_default_taps():
     assert default_tap_layers(36, "eagle3") == [1, 17, 32]
     assert default_tap_layers(32, "eagle3") == [1, 15, 28]
     assert default_tap_layers(36, "dflash") == [1, 9, 17, 25, 33]
-    assert default_tap_layers(6, "eagle3") == [1, 2, 3] and default_tap_layers(4, "eagle3") == [1, 2, 3]
+    assert default_tap_layers(6, "eagle3") == [1, 2, 3] and default_tap_layers(4, "eagle3") == [0, 1, 2]
+    assert default_tap_layers(8, "eagle3") == [1, 3, 4]  # L - 4 = 4 after the collision bump; never L - 1
+    for L in range(4, 40):  # every default of a family that reads taps is a tap engines collect
+        for method in ("eagle3", "dflash"):
+            check_collectable(default_tap_layers(L, method), L)
     assert FrozenTarget(model=tiny_model("llama", layers=6)).tap_layers == [1, 2, 3]
 
 
