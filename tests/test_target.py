@@ -64,3 +64,64 @@ def test_bad_taps_and_paths(tmp_path):
         FrozenTarget(str(tmp_path / "nope"))
     with pytest.raises(UserError, match="dtype"):
         FrozenTarget("embedded", dtype="int3")
+
+
+def test_device_cpu_and_a_missing_gpu(monkeypatch):
+    """device=cpu puts the weights there; asking for a GPU where none is visible is one UserError, not a traceback."""
+    target = FrozenTarget(model=tiny_model("llama"), tap_layers=[1], device="cpu")
+    assert target.device.type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for dev in ("cuda", "cuda:1"):
+        with pytest.raises(UserError, match=f"device='{dev}' but no GPU is visible; use device=cpu"):
+            FrozenTarget(model=tiny_model("llama"), tap_layers=[1], device=dev)
+    with pytest.raises(UserError, match="device='gpu7'"):
+        FrozenTarget(model=tiny_model("llama"), tap_layers=[1], device="gpu7")
+    assert FrozenTarget(model=tiny_model("llama"), tap_layers=[1], device="auto").device.type == "cpu"
+
+
+def test_cpu_kernels_only_for_a_target_on_the_cpu(monkeypatch):
+    """fast_linear times and packs CPU kernels on a CPU only: a target elsewhere (here the meta device) keeps the
+    model's own linear layers, times nothing and holds no packed copy."""
+    import models.target as mt
+
+    def boom(*a, **k):
+        raise AssertionError("timed or packed a target that is not on the CPU")
+
+    monkeypatch.setattr(mt, "choose_model_kernels", boom)
+    monkeypatch.setattr(mt, "pack_linears", boom)
+    for fast in (True, "packed"):
+        target = FrozenTarget(model=tiny_model("llama"), tap_layers=[1], device="meta", fast_linear=fast)
+        assert target.device.type == "meta" and target.fast_linear is False
+        assert target.linear_kernels == {} and target.packed_linears == 0
+        assert all(type(m) is torch.nn.Linear for m in target.model.modules() if isinstance(m, torch.nn.Linear))
+    with pytest.raises(AssertionError, match="timed or packed"):  # on the CPU the same call does time
+        FrozenTarget(model=tiny_model("llama"), tap_layers=[1], device="cpu", fast_linear=True)
+
+
+def test_taps_come_from_pre_hooks_not_every_hidden_state(monkeypatch):
+    """The forward asks the model for no hidden_states (which would keep every layer's): hooks record the taps, the
+    same tensors output_hidden_states gives for layers 0..L-2; changing the taps moves the hooks."""
+    model = tiny_model("llama", layers=6)
+    target = FrozenTarget(model=model, tap_layers=[0, 3], fast_linear=False)
+    ids = torch.randint(0, 128, (1, 7))
+    ref = model(ids, output_hidden_states=True).hidden_states
+    seen = {}
+    inner = model.model.forward
+
+    def spy(*a, **k):
+        seen["output_hidden_states"] = k.get("output_hidden_states")
+        return inner(*a, **k)
+
+    monkeypatch.setattr(model.model, "forward", spy)
+    out = target(ids)
+    assert seen["output_hidden_states"] is False
+    assert torch.equal(out.tap_states[:, :, 0], ref[1]) and torch.equal(out.tap_states[:, :, 1], ref[4])
+    target.set_tap_layers([4])
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 1
+    assert torch.equal(target(ids).tap_states[:, :, 0], ref[5])
+
+
+def test_a_tap_engines_do_not_collect_is_refused():
+    with pytest.raises(UserError, match=r"tap_layers=\[1, 3, 5\]: tap 5 is the output of the last decoder layer.*0\.\.4"):
+        check_collectable([1, 3, 5], 6)
+    check_collectable([1, 3, 4], 6)
