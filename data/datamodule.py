@@ -46,11 +46,13 @@ class DraftDataModule(L.LightningDataModule):
                  truncation: str = "turn", max_conversations: int | None = None, val_conversations: int | None = 64,
                  batch_size: int = 4, num_workers: int = 0, num_proc: int = 1, tokenizer: str = "embedded",
                  features: str = "online", feature_dir: str | list[str] | None = None,
-                 val_feature_dir: str | list[str] | None = None, seed: int = 0, make: dict | None = None):
+                 val_feature_dir: str | list[str] | None = None, seed: int = 0, make: dict | None = None,
+                 chat_template_kwargs: dict | None = None, hub_split: str = "train"):
         """``make``: how the file ``make["file"]`` is made where ``source`` names it (alone or in a list) and it is
         missing: the other keys are ``python -m data.regenerate``'s (the target's own answers;
         :func:`data.regenerate.make_source`), e.g. ``conf/data/embedded_sampled.yaml``. Any other missing file is an
-        error, so a mistyped ``data.source`` never starts a regeneration."""
+        error, so a mistyped ``data.source`` never starts a regeneration. ``chat_template_kwargs`` go to the chat
+        template (``{"enable_thinking": False}``); ``hub_split``: the split read from a Hugging Face dataset source."""
         super().__init__()
         if features not in ("online", "offline"):
             raise UserError(f"features={features!r}: use online or offline")
@@ -64,6 +66,7 @@ class DraftDataModule(L.LightningDataModule):
         # val_feature_dir (default: the same caches), e.g. original text for training, the target's own for validation
         self.feature_dirs, self.val_feature_dirs = cache_dirs(feature_dir), cache_dirs(val_feature_dir)
         self.make = dict(make) if make else None
+        self.chat_template_kwargs, self.hub_split = dict(chat_template_kwargs or {}), hub_split
         self._train = self._val = None
         self._tok = None
         self.expect_identity: dict | None = None  # set by the trainer entry point: the target the cache must match
@@ -83,7 +86,8 @@ class DraftDataModule(L.LightningDataModule):
         self.make_source()
         limit = self.max_conversations if name == "train" else self.val_conversations
         return tokenize_split(self.tokenizer, self.source, name, self.heldout_fraction, self.max_length,
-                              self.truncation, limit, self.num_proc, verbose=False)
+                              self.truncation, limit, self.num_proc, verbose=False,
+                              chat_template_kwargs=self.chat_template_kwargs, hub_split=self.hub_split)
 
     def data_key(self, split: str) -> dict:
         """What made a split's samples, recorded by a feature cache and checked when training opens it: the
@@ -109,6 +113,9 @@ class DraftDataModule(L.LightningDataModule):
         if Path(file).exists() or not any(Path(str(s)) == Path(file) for s in sources):
             return
         from data.regenerate import make_source
+
+        if self.chat_template_kwargs and "chat_template_kwargs" not in settings:  # answers made as the training data renders
+            settings["chat_template_kwargs"] = self.chat_template_kwargs
 
         if int(os.environ.get("LOCAL_RANK", "0")) or int(os.environ.get("NODE_RANK", "0")):
             raise UserError(f"data.source: {file} is missing; make it on one process first (python -m train "

@@ -3,6 +3,7 @@
     python -m data.prepare                                  # ShareGPT with the embedded target's template
     python -m data.prepare data.source=my.jsonl data.max_length=1024 data.truncation=drop
     python -m data.prepare "data.source=[greedy.jsonl,sampled.jsonl]"   # several sources, interleaved
+    python -m data.prepare target=qwen3 "data.chat_template_kwargs={enable_thinking:false}"   # template options
 
 The result is cached by ``datasets`` next to the conversation cache (same input → no recomputation).
 """
@@ -19,11 +20,15 @@ from data.errors import UserError, cli, run_main
 
 def tokenize_split(tokenizer, source: Source = "sharegpt", split: str = "train", heldout_fraction: float = 0.02,
                    max_length: int | None = 2048, truncation: str = "turn", max_conversations: int | None = None,
-                   num_proc: int = 1, verbose: bool = True):
-    """Conversations of a split → ``datasets.Dataset`` with ``id``, ``input_ids`` and ``loss_mask``; drops are reported."""
+                   num_proc: int = 1, verbose: bool = True, chat_template_kwargs: dict | None = None,
+                   hub_split: str = "train"):
+    """Conversations of a split → ``datasets.Dataset`` with ``id``, ``input_ids`` and ``loss_mask``; drops are reported.
+    ``chat_template_kwargs`` go to the chat template (``{"enable_thinking": False}``); ``hub_split`` is the split of
+    a Hugging Face dataset source that is read."""
     if truncation not in TRUNCATION_POLICIES:
         raise UserError(f"data.truncation={truncation!r}: use one of {', '.join(TRUNCATION_POLICIES)}")
-    ds = load_conversations(source, split, heldout_fraction, verbose=verbose)
+    ds = load_conversations(source, split, heldout_fraction, verbose=verbose, hub_split=hub_split)
+    kwargs = {str(k): v for k, v in dict(chat_template_kwargs or {}).items()}
     if max_conversations:
         ds = ds.select(range(min(max_conversations, len(ds))))
     if len(ds) == 0:
@@ -33,7 +38,7 @@ def tokenize_split(tokenizer, source: Source = "sharegpt", split: str = "train",
     def encode(batch):
         ids, masks, keep = [], [], []
         for msgs in batch["messages"]:
-            enc = tokenize_conversation(tokenizer, msgs, max_length, truncation)
+            enc = tokenize_conversation(tokenizer, msgs, max_length, truncation, kwargs)
             keep.append(enc is not None)
             ids.append(enc["input_ids"] if enc else [])
             masks.append(enc["loss_mask"] if enc else [])
@@ -62,7 +67,8 @@ def main(cfg: DictConfig) -> None:
     tok = load_tokenizer(cfg.target.name_or_path)
     for split in cfg.splits:
         tokenize_split(tok, cfg.data.source, split, cfg.data.heldout_fraction, cfg.data.max_length,
-                       cfg.data.truncation, cfg.data.max_conversations, cfg.data.num_proc)
+                       cfg.data.truncation, cfg.data.max_conversations, cfg.data.num_proc,
+                       chat_template_kwargs=cfg.data.get("chat_template_kwargs"), hub_split=cfg.data.get("hub_split", "train"))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from data.errors import cli, instantiate, run_main
 
 def run(cfg: DictConfig) -> dict:
     from eval.decoding.drafters import build_drafter
-    from eval.run import build_sets, count_defects, evaluate, protocol_of, write_report
+    from eval.run import Journal, build_sets, count_defects, evaluate, log_results, protocol_of, write_report
     from models.target import load_tokenizer
     target = instantiate(cfg.target, device=cfg.get("device", "auto"))  # auto: a GPU when one is visible
     tok = load_tokenizer(cfg.target.name_or_path)
@@ -32,15 +32,19 @@ def run(cfg: DictConfig) -> dict:
     policy = PromptLengthPolicy(cfg.get("max_prompt_tokens"), getattr(target.config, "max_position_embeddings", None),
                                 cfg.max_new_tokens, max([draft_room(d, cfg.k) for d in drafters.values()] or [draft_room(None, cfg.k)]))
     sets = build_sets(cfg)
+    template = {"chat_template_kwargs": dict(cfg.chat_template_kwargs)} if cfg.get("chat_template_kwargs") else {}
     protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
-                           device=str(target.device))
+                           device=str(target.device), **template)
+    journal = Journal(Path(cfg.out_dir) / "journal.jsonl", protocol, bool(cfg.get("resume", False)))
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,
-                       tie_ulps=cfg.tie_ulps, prompt_policy=policy)
+                       tie_ulps=cfg.tie_ulps, prompt_policy=policy, journal=journal,
+                       chat_template_kwargs=cfg.get("chat_template_kwargs"))
     protocol.update(max_prompt_tokens=policy.limit, truncated_prompts=policy.counts())
     if policy.counts():
         print(f"note: prompts longer than max_prompt_tokens={policy.limit} were truncated from the left: "
               + ", ".join(f"{n} in {s}" for s, n in policy.counts().items()))
     table = write_report(results, protocol, Path(cfg.out_dir))
+    log_results(cfg.get("logger"), results, protocol)
     print(table)
     print(f"wrote {cfg.out_dir}/results.json, results.md, acceptance.png")
     defects = count_defects(results)

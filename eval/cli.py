@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("eval.planner", "the target's verify cost curve and the draft length that pays"),
     "datastore": ("eval.datastore", "build a retrieval datastore of the target's own answers"),
     "ship": ("train.ship", "package a trained head (bf16) with its report, fit to ship"),
+    "card": ("train.card", "write the model card (README.md) of an exported head"),
+    "results": ("eval.results", "render docs/results.md from the measurements' JSON (check=true: verify it)"),
     "check-export": ("eval.check_export", "load exports with the speculators library and compare logits"),
     "quickstart": ("eval.quickstart", "the end-to-end demo on a CPU: train, then evaluate SmolLM2's shipped head"),
     "embedded-target": ("train.embedded_target", "rebuild the small embedded target from scratch"),

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from data.errors import UserError, instantiate
+from data.progress import Progress
 from eval.decoding.decoder import GenStats, NoDrafter, Sampler, SpeculativeDecoder
 from eval.decoding.lossless import classify
 from eval.decoding.drafters import auto_k_factory
@@ -63,6 +64,34 @@ class Agg:
         self.t_total += st.t_total
         self.generations += 1
 
+    def merge(self, other: "Agg") -> None:
+        """Add another Agg's sums (one prompt's statistics, e.g. read back from the journal on resume)."""
+        for f in ("new_tokens", "passes", "verified", "drafted", "t_draft", "t_verify", "t_prefill", "t_total",
+                  "generations", "identical", "ties", "defects"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        for a, c in other.hist.items():
+            self.hist[a] = self.hist.get(a, 0) + c
+        for i, (pr, ac) in enumerate(zip(other.proposed_at, other.accepted_at)):
+            while len(self.proposed_at) <= i:
+                self.proposed_at.append(0)
+                self.accepted_at.append(0)
+            self.proposed_at[i] += pr
+            self.accepted_at[i] += ac
+        self.divergences += other.divergences
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["hist"] = {str(k): v for k, v in self.hist.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Agg":
+        d = dict(d)
+        d["hist"] = {int(k): v for k, v in d.get("hist", {}).items()}
+        return cls(**d)
+
     def summary(self, plain: "Agg | None") -> dict:
         tps = self.new_tokens / max(self.t_total, 1e-9)
         out = {
@@ -104,8 +133,10 @@ def protocol_of(cfg: Any, tokenizer: Any, drafters: dict[str, Any], **extra: Any
     return protocol
 
 
-def encode_prompt(tokenizer: Any, messages: list[dict]) -> torch.Tensor:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def encode_prompt(tokenizer: Any, messages: list[dict], chat_template_kwargs: dict | None = None) -> torch.Tensor:
+    """A chat's generation prompt as token ids [T]; ``chat_template_kwargs`` go to the template (``enable_thinking``)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **{str(k): v for k, v in dict(chat_template_kwargs or {}).items()})
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
@@ -113,8 +144,12 @@ def encode_prompt(tokenizer: Any, messages: list[dict]) -> torch.Tensor:
 def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[Any], temperatures: list[float],
              k: int | str = 5, max_new_tokens: int = 128, top_p: float = 1.0, seed: int = 0, eos_token_ids: list[int] | None = None,
              tie_ulps: float | None = None,
-             log=print, prompt_policy: Any = None) -> dict:
-    """``prompt_policy``: over-long prompts (``eval.sets.PromptLengthPolicy``: truncate from the left, counted)."""
+             log=print, prompt_policy: Any = None, journal: "Journal | None" = None,
+             chat_template_kwargs: dict | None = None) -> dict:
+    """``prompt_policy``: over-long prompts (``eval.sets.PromptLengthPolicy``: truncate from the left, counted).
+    ``journal``: each finished prompt's statistics are appended there, and prompts it already holds (an interrupted
+    run, ``resume=true``) are read back instead of decoded again. Progress (prompts done, time left) goes to stderr.
+    ``chat_template_kwargs``: options of the target's chat template (``{"enable_thinking": False}``)."""
     if k != "auto" and (not isinstance(k, int) or k < 1):
         raise UserError(f"k={k}: the draft length must be an integer >= 1, or auto")
     wanted = {name: getattr(d, "draft_k", k) for name, d in drafters.items()}
@@ -128,15 +163,34 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
     target_dtype = next(target.parameters()).dtype
     results: dict = {}
     default_taps = list(target.tap_layers)
+    all_convs = []
     for pset in sets:
         convs = pset.conversations()
         if not convs:
             raise UserError(f"prompt set {pset.name}: no prompts")
+        all_convs.append(convs)
+    done = journal.read() if journal is not None else {}
+    total = sum(len(c) for c in all_convs) * len(temperatures)
+    progress = Progress(total, "eval", unit="prompts", initial=len(done))
+    if done:
+        log(f"resume: {len(done)} of {total} prompts already evaluated ({journal.path}); decoding the rest")
+    for pset, convs in zip(sets, all_convs):
         for temp in temperatures:
             temp = float(temp)
             aggs = {name: Agg() for name in ["plain", *drafters]}
             ks = {name: (autok(trees[name]) if w == "auto" else w) for name, w in wanted.items()}  # AutoK learns per drafter and temperature
             for ci, conv in enumerate(convs):
+                key = (pset.name, f"T={temp:g}", ci)
+                if key in done:  # finished before an interruption: its sums, not a new decode
+                    for name, d in done[key]["aggs"].items():
+                        aggs[name].merge(Agg.from_dict(d))
+                    for name, chosen in done[key].get("auto_k", {}).items():
+                        ks[name].chosen += chosen
+                    continue
+                before = {name: Agg() for name in aggs}
+                for name in aggs:
+                    before[name].merge(aggs[name])
+                n_chosen = {name: len(ks[name].chosen) for name in ks if hasattr(ks[name], "chosen")}
                 # every drafter answers turn i+1 after plain decoding's answers to turns 0..i: the same prompt for all,
                 # so a greedy divergence in turn i+1 is compared on the context it came from (in bf16 a numerical tie
                 # in turn i would otherwise give a drafter another prompt than plain decoding's in turn i+1)
@@ -144,7 +198,7 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                 for ti, turn in enumerate(conv["turns"]):
                     plain_out, plain_top = None, []
                     msgs = history + [{"role": "user", "content": turn}]
-                    prompt = encode_prompt(tokenizer, msgs)
+                    prompt = encode_prompt(tokenizer, msgs, chat_template_kwargs)
                     if prompt_policy is not None:
                         prompt = prompt_policy(prompt, (pset.name, ci, ti))
                     for name in aggs:
@@ -167,9 +221,11 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                                 aggs[name].divergences.append({"prompt": ci, "turn": ti, **v.as_dict()})
                     answer = tokenizer.decode(plain_out, skip_special_tokens=True).strip()
                     history = msgs + [{"role": "assistant", "content": answer}]
-                if (ci + 1) % 10 == 0 or ci + 1 == len(convs):
-                    log(f"  [{pset.name} T={temp:g}] {ci + 1}/{len(convs)} " + " ".join(
-                        f"{n}:τ={a.verified / max(a.passes, 1):.2f}" for n, a in aggs.items() if n != "plain"))
+                if journal is not None:
+                    journal.add(key, {name: _delta(aggs[name], before[name]).as_dict() for name in aggs},
+                                {name: ks[name].chosen[n:] for name, n in n_chosen.items()})
+                progress.update(1, note=f"{pset.name} T={temp:g} " + " ".join(
+                    f"{n}:τ={a.verified / max(a.passes, 1):.2f}" for n, a in aggs.items() if n != "plain"))
             row = {}
             for name, a in aggs.items():
                 row[name] = a.summary(None if name == "plain" else aggs["plain"])
@@ -184,8 +240,63 @@ def evaluate(target: Any, tokenizer: Any, drafters: dict[str, Any], sets: list[A
                     row[name]["defects"] = a.defects
                     row[name]["divergences"] = a.divergences
             results.setdefault(pset.name, {})[f"T={temp:g}"] = row
+    progress.close()
     target.set_tap_layers(default_taps)
     return results
+
+
+def _delta(after: Agg, before: Agg) -> Agg:
+    """What one prompt added to a drafter's sums (``after`` − ``before``), for the journal."""
+    d = Agg()
+    for f in ("new_tokens", "passes", "verified", "drafted", "t_draft", "t_verify", "t_prefill", "t_total",
+              "generations", "identical", "ties", "defects"):
+        setattr(d, f, getattr(after, f) - getattr(before, f))
+    d.hist = {a: c - before.hist.get(a, 0) for a, c in after.hist.items() if c - before.hist.get(a, 0)}
+    d.proposed_at = [p - (before.proposed_at[i] if i < len(before.proposed_at) else 0) for i, p in enumerate(after.proposed_at)]
+    d.accepted_at = [a - (before.accepted_at[i] if i < len(before.accepted_at) else 0) for i, a in enumerate(after.accepted_at)]
+    d.divergences = after.divergences[len(before.divergences):]
+    return d
+
+
+class Journal:
+    """``journal.jsonl`` in the output folder: a header with the protocol, then one line per finished prompt (its
+    statistics for every drafter). A rerun with ``resume=true`` into the same folder reads it back and decodes only the
+    prompts it lacks; a different protocol (drafters, sets, temperatures, k, lengths, seed, target) is refused. A line
+    cut off by the interruption is ignored. The adaptive k of ``k=auto`` starts learning afresh on resume."""
+
+    def __init__(self, path: str | Path, protocol: dict, resume: bool):
+        self.path, self.protocol = Path(path), json.loads(json.dumps(protocol, default=str))
+        if self.path.exists() and not resume:
+            raise UserError(f"{self.path.parent}: holds an evaluation already; resume=true continues it, or choose "
+                            "another out_dir")
+        if not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"protocol": self.protocol}) + "\n")
+
+    def read(self) -> dict:
+        lines = self.path.read_text(encoding="utf-8").split("\n")
+        try:
+            head = json.loads(lines[0])["protocol"]
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{self.path}: not an evaluation journal (delete it to start over)") from None
+        if head != self.protocol:
+            diff = sorted(k for k in set(head) | set(self.protocol) if head.get(k) != self.protocol.get(k))
+            raise UserError(f"{self.path}: was written with another protocol ({', '.join(diff)} differ); evaluate "
+                            "into another out_dir, or rerun with the journal's settings")
+        done = {}
+        for line in lines[1:]:
+            try:
+                rec = json.loads(line)
+                done[tuple(rec["key"])] = rec
+            except (ValueError, KeyError, TypeError):
+                continue  # empty, or cut off by the interruption
+        return done
+
+    def add(self, key: tuple, aggs: dict, auto_k: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"key": list(key), "aggs": aggs, "auto_k": auto_k}) + "\n")
+            f.flush()
 
 
 def _eos_ids(target: Any, tokenizer: Any) -> list[int]:
@@ -273,3 +384,32 @@ def write_report(results: dict, protocol: dict, out_dir: Path) -> str:
         f.write(table)
     plot_acceptance(results, out_dir / "acceptance.png")
     return table
+
+
+def metrics_of(results: dict) -> dict[str, float]:
+    """The evaluation's figures as flat metric names (``mtbench/T=0/eagle3/tau``, ``.../speedup``, ``.../acc_1``)."""
+    out: dict[str, float] = {}
+    for sname, by_t in results.items():
+        for tname, by_d in by_t.items():
+            for dname, r in by_d.items():
+                base = f"{sname}/{tname}/{dname}"
+                out[f"{base}/tau"] = r["tau"]
+                out[f"{base}/tokens_per_s"] = r["tokens_per_s"]
+                if "speedup" in r:
+                    out[f"{base}/speedup"] = r["speedup"]
+                for j, a in enumerate(r["acceptance_per_position"]):
+                    if a is not None:
+                        out[f"{base}/acc_{j + 1}"] = a
+    return out
+
+
+def log_results(node: Any, results: dict, protocol: dict) -> None:
+    """Send the figures and the protocol to the configured logger (``logger=csv|tensorboard|wandb``, as training
+    does; ``~logger``: the files alone)."""
+    if not node:
+        return
+    logger = instantiate(node)
+    logger.log_hyperparams({k: v if isinstance(v, (int, float, str, bool)) or v is None else json.dumps(v, default=str)
+                            for k, v in protocol.items()})
+    logger.log_metrics(metrics_of(results), step=0)
+    logger.finalize("success")

@@ -91,7 +91,7 @@ class JsonlSet(PromptSet):
             raise UserError(f"{self.path}: no such prompt file (give eval_set.path=<file.jsonl>)")
         out = []
         try:
-            lines = self.path.read_bytes().decode("utf-8").splitlines()
+            lines = self.path.read_bytes().decode("utf-8").split("\n")  # not splitlines: U+2028/U+2029 may sit in a string
         except UnicodeDecodeError as e:
             line_no = self.path.read_bytes()[: e.start].count(b"\n") + 1
             raise UserError(f"{self.path}:{line_no}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None

@@ -128,3 +128,53 @@ def test_a_bad_entry_in_a_list_of_sources_is_one_line_naming_it(tmp_path):
         read_conversations([good, str(tmp_path / "missing.jsonl")])
     with pytest.raises(UserError, match=r"data.source=\[\]"):
         load_conversations([], "all", cache_dir=tmp_path / "cache", verbose=False)
+
+
+def test_jsonl_lines_end_at_newline_only(tmp_path):
+    # U+2028/U+2029 are valid unescaped inside a JSON string (ensure_ascii=False writes them raw); \r\n files still read
+    text = "line one\u2028line two\u2029end"
+    p = tmp_path / "seps.jsonl"
+    p.write_text(json.dumps(rec("s_0", [("human", text), ("gpt", "ok")]), ensure_ascii=False) + "\r\n"
+                 + json.dumps(rec("t_0", [("human", "q"), ("gpt", "a\u2028b")]), ensure_ascii=False) + "\n", encoding="utf-8")
+    assert "\u2028" in p.read_text(encoding="utf-8") and len(p.read_text(encoding="utf-8").splitlines()) > 2
+    convs, report = read_conversations(str(p))
+    assert [c["id"] for c in convs] == ["s_0", "t_0"] and sum(report.dropped.values()) == 0
+    assert convs[0]["messages"][0]["content"] == text and convs[1]["messages"][1]["content"] == "a\u2028b"
+
+
+def test_content_as_a_list_of_parts_is_its_text(tmp_path):
+    parts = {"id": "p_0", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Describe "}, {"type": "image_url", "image_url": {"url": "x"}},
+                                     {"type": "text", "text": "this."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
+    p = tmp_path / "parts.jsonl"
+    p.write_text(json.dumps(parts) + "\n")
+    convs, report = read_conversations(str(p))
+    assert convs[0]["messages"] == [{"role": "user", "content": "Describe this."}, {"role": "assistant", "content": "A cat."}]
+    assert "1 non-text message parts (images, audio) left out" in report.summary()
+
+
+def test_a_dataset_folder_is_read_at_any_split_name(tmp_path):
+    folder = tmp_path / "ds"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train_sft.jsonl").write_text("\n".join(json.dumps(r) for r in GOOD) + "\n")
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n"
+                                      "  - split: train_sft\n    path: data/train_sft.jsonl\n---\n")
+    convs, _ = read_conversations(str(folder), hub_split="train_sft")
+    assert [c["id"] for c in convs] == ["a_0", "b_0"]
+    with pytest.raises(UserError, match="no split 'train'.*data.hub_split"):
+        read_conversations(str(folder))
+    ds = load_conversations(str(folder), "all", cache_dir=tmp_path / "cache", verbose=False, hub_split="train_sft")
+    assert sorted(ds["id"]) == ["a_0", "b_0"]
+
+
+def test_prompt_file_with_line_separators_and_parts(tmp_path):
+    from eval.sets import JsonlSet
+
+    p = tmp_path / "prompts.jsonl"
+    p.write_text(json.dumps({"prompt": "first\u2028second"}, ensure_ascii=False) + "\n"
+                 + json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                                         {"type": "text", "text": "there"}]}]}) + "\n",
+                 encoding="utf-8")
+    convs = JsonlSet(str(p)).conversations()
+    assert [c["turns"] for c in convs] == [["first\u2028second"], ["Hi there"]]

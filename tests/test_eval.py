@@ -91,3 +91,49 @@ def test_malformed_prompt_file_and_foreign_draft(tiny_target_dir, trained, tmp_p
     r = run_eval(f"target.name_or_path={tiny_target_dir}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
                  f"eval_set.jsonl.path={bad}", f"out_dir={tmp_path}/o", draft_model=str(ROOT / "assets/draft_model"))
     assert r.returncode == 2 and "vocabulary 8192 != target's" in r.stderr.splitlines()[-1], r.stderr[-800:]
+
+
+def test_interrupted_eval_resumes_without_redoing_prompts(tiny_target_dir, prompts, tmp_path):
+    """A finished run's journal cut back to one prompt (and a line cut off mid-write) resumes with resume=true: the
+    missing prompts are decoded, the kept one is read back, and the figures equal an uninterrupted run's."""
+    out = tmp_path / "eval"
+    base = [f"target.name_or_path={tiny_target_dir}", "drafters.eagle3=null", "eval_set=[jsonl]",
+            f"eval_set.jsonl.path={prompts}", f"out_dir={out}", "max_new_tokens=10", "k=3"]
+    r = run_eval(*base)
+    assert r.returncode == 0, r.stderr[-3000:]
+    full = json.loads((out / "results.json").read_text())["results"]
+    assert "eval: 4/4 prompts" in r.stderr  # progress on a pipe: plain lines
+    metrics = list((out / "logs").rglob("metrics.csv"))  # the configured logger (csv) got the figures
+    assert metrics and "prompts/T=0/ngram/tau" in metrics[0].read_text()
+
+    journal = out / "journal.jsonl"
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 1 + 4  # header + 2 prompts x 2 temperatures
+    journal.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])  # killed while writing
+    r2 = run_eval(*base)
+    assert r2.returncode == 2 and "resume=true" in r2.stderr  # never silently over an earlier evaluation
+    r3 = run_eval(*base, "resume=true")
+    assert r3.returncode == 0, r3.stderr[-3000:]
+    assert "resume: 1 of 4 prompts already evaluated" in r3.stdout + r3.stderr
+    again = json.loads((out / "results.json").read_text())["results"]
+    for t in ("T=0", "T=1"):
+        for d in ("plain", "ngram"):
+            a, b = full["prompts"][t][d], again["prompts"][t][d]
+            assert (a["tau"], a["new_tokens"], a["verify_passes"]) == (b["tau"], b["new_tokens"], b["verify_passes"])
+    assert again["prompts"]["T=0"]["ngram"]["greedy_identical"] == "3/3"
+    r4 = run_eval(*base[:-1], "k=2", "resume=true")  # another protocol: refused in one line
+    assert r4.returncode == 2 and "k differ" in r4.stderr, r4.stderr[-1000:]
+
+
+def test_progress_lines_on_a_pipe():
+    import io
+
+    from data.progress import Progress
+
+    buf = io.StringIO()
+    p = Progress(3, "eval", unit="prompts", every_s=0.0, file=buf)
+    for _ in range(3):
+        p.update(1, note="x")
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("eval: 1/3 prompts (33%)") and "left" in lines[0]
+    assert lines[-1].startswith("eval: 3/3 prompts (100%)") and "left" not in lines[-1]

@@ -20,9 +20,10 @@ import hydra
 from omegaconf import DictConfig
 
 from data.errors import UserError, cli, run_main
+from train.card import write_card
 from train.rundir import sweep_leftovers
 
-EXPORT_FILES = {"config.json", "model.safetensors", "train_config.json"}  # what our exports (and run_dir/draft) hold
+EXPORT_FILES = {"config.json", "model.safetensors", "train_config.json", "README.md"}  # what our exports (and run_dir/draft) hold
 
 
 def is_our_export(path: Path) -> bool:
@@ -62,6 +63,7 @@ def run(cfg: DictConfig) -> dict:
     sweep_leftovers(Path(out).expanduser().parent, names=[Path(out).name])  # of an export killed mid-write
     path = export_draft(cfg.src, cfg.format, out, verifier=cfg.verifier, dtype=cfg.dtype)
     src = resolve_draft_dir(cfg.src)
+    write_card(path, src=src)  # README.md: the model card
     exported = json.loads((Path(path) / "config.json").read_text())
     result = {"draft": str(src), "family": draft_family(src)[0], "format": cfg.format, "out": str(path),
               "files": sorted(p.name for p in Path(path).iterdir())}

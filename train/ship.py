@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from data.datamodule import cache_dirs
 from data.errors import UserError, cli, run_main, write_json
+from train.card import write_card
 
 
 def validation_curve(run_dir: Path) -> list[dict]:
@@ -93,6 +94,7 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
     out = Path(out)
     head.export(out, train_config=train_config, dtype=DTYPES[dtype])
     write_json(out / "report.json", report)
+    write_card(out)  # README.md: the model card, from the report
     size = sum(p.stat().st_size for p in out.iterdir())
     print(f"shipped {draft} -> {out} ({size / 1e6:.1f} MB, {report['stored_parameters']:,} parameters in {dtype})")
     return report
