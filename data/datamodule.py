@@ -94,11 +94,10 @@ class DraftDataModule(L.LightningDataModule):
         source(s), how they are split, cut and counted (a cache of other settings holds other samples)."""
         src = [str(self.source)] if isinstance(self.source, (str, Path)) else [str(s) for s in self.source]
         key = {"source": src, "split": split, "heldout_fraction": self.heldout_fraction, "max_length": self.max_length,
-               "truncation": self.truncation,
+               "truncation": self.truncation, "hub_split": self.hub_split,
                "conversations": self.max_conversations if split == "train" else self.val_conversations}
-        extra = getattr(self, "chat_template_kwargs", None)  # the chat template's arguments change the tokens
-        if extra:
-            key["chat_template_kwargs"] = dict(extra)
+        if self.chat_template_kwargs:  # the chat template's arguments change the tokens
+            key["chat_template_kwargs"] = dict(self.chat_template_kwargs)
         return key
 
     def make_source(self) -> None:

@@ -61,7 +61,9 @@ def test_training_with_other_data_settings_does_not_read_an_old_cache(built, tmp
     ok.setup()
     assert len(ok._train) == len(dm.split("train"))
     for change, msg in (({"max_length": 48}, f"data.max_length={dm.max_length}, but this run uses 48"),
-                        ({"max_conversations": 7}, "data.conversations=None, but this run uses 7")):
+                        ({"max_conversations": 7}, "data.conversations=None, but this run uses 7"),
+                        ({"chat_template_kwargs": {"enable_thinking": False}},
+                         "data.chat_template_kwargs=None, but this run uses {'enable_thinking': False}")):
         other = DraftDataModule(**{"max_length": dm.max_length, "max_conversations": dm.max_conversations, **change}, **same)
         other.expect_identity = identity_of(target)
         with pytest.raises(UserError, match=msg.replace("(", r"\(")):
