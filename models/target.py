@@ -144,7 +144,9 @@ class _Grab:
         self.target, self.layer = target, layer
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.target._taps[self.layer] = args[0] if args else kwargs["hidden_states"]  # [B, T, d] residual stream entering it
+        store = self.target._taps  # None outside FrozenTarget.forward: a direct call of the model keeps nothing
+        if store is not None:
+            store[self.layer] = args[0] if args else kwargs["hidden_states"]  # [B, T, d] residual stream entering it
 
 
 @dataclass
@@ -197,7 +199,7 @@ class FrozenTarget(nn.Module):
                                else pack_linears(self.model) if self.fast_linear == "packed" else 0)
         self.num_layers: int = self.model.config.num_hidden_layers
         self._hooks: list[Any] = []
-        self._taps: dict[int, torch.Tensor] = {}
+        self._taps: dict[int, torch.Tensor] | None = None
         self.set_tap_layers(list(tap_layers) if tap_layers is not None else default_tap_layers(self.num_layers, tap_method))
 
     @property
@@ -275,7 +277,7 @@ class FrozenTarget(nn.Module):
                                    output_hidden_states=not hooked, position_ids=position_ids)
             got = self._taps if hooked else {i: out.hidden_states[hf_hidden_index(i)] for i in self.tap_layers}
         finally:
-            self._taps = {}
+            self._taps = None
         taps = torch.stack([got[i] for i in self.tap_layers], dim=2)  # [B, T, n_taps, d]
         last = out.last_hidden_state  # [B, T, d], after the final norm
         logits = self.model.lm_head(last) if return_logits else None
