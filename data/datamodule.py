@@ -89,6 +89,17 @@ class DraftDataModule(L.LightningDataModule):
                               self.truncation, limit, self.num_proc, verbose=False,
                               chat_template_kwargs=self.chat_template_kwargs, hub_split=self.hub_split)
 
+    def data_key(self, split: str) -> dict:
+        """What made a split's samples, recorded by a feature cache and checked when training opens it: the
+        source(s), how they are split, cut and counted (a cache of other settings holds other samples)."""
+        src = [str(self.source)] if isinstance(self.source, (str, Path)) else [str(s) for s in self.source]
+        key = {"source": src, "split": split, "heldout_fraction": self.heldout_fraction, "max_length": self.max_length,
+               "truncation": self.truncation, "hub_split": self.hub_split,
+               "conversations": self.max_conversations if split == "train" else self.val_conversations}
+        if self.chat_template_kwargs:  # the chat template's arguments change the tokens
+            key["chat_template_kwargs"] = dict(self.chat_template_kwargs)
+        return key
+
     def make_source(self) -> None:
         """Regenerate ``make["file"]`` first if ``source`` names it and it is missing (once, on one process)."""
         if not self.make:
@@ -133,11 +144,22 @@ class DraftDataModule(L.LightningDataModule):
         if self.features == "offline":
             if not self.feature_dirs:
                 raise UserError("features=offline needs data.feature_dir (write it with `python -m data.features`)")
-            self._train = FeatureSet([Path(d) / "train" for d in self.feature_dirs], self.expect_identity)
-            self._val = FeatureSet([Path(d) / "heldout" for d in self.val_feature_dirs or self.feature_dirs], self.expect_identity)
+            self._train = FeatureSet([Path(d) / "train" for d in self.feature_dirs], self._expect("train", self.feature_dirs))
+            val_dirs = self.val_feature_dirs or self.feature_dirs
+            self._val = FeatureSet([Path(d) / "heldout" for d in val_dirs], self._expect("heldout", val_dirs))
         else:
             self._train = self.split("train").with_format("python")
             self._val = self.split("heldout").with_format("python")
+
+    def _expect(self, split: str, dirs: list[str]) -> dict | None:
+        """What the caches of ``split`` must match: the target and taps (``expect_identity``) and, where this run
+        reads one cache written by ``python -m data.features`` from its own data config, that data's settings (several
+        caches are each written from their own data, so only their target and taps are checked)."""
+        if self.expect_identity is None:
+            return None
+        if len(dirs) != 1 or (split == "heldout" and self.val_feature_dirs):
+            return self.expect_identity
+        return {**self.expect_identity, "data": self.data_key(split)}
 
     def _loader(self, ds, shuffle: bool) -> torch.utils.data.DataLoader:
         g = torch.Generator().manual_seed(self.seed)  # its own generator: making an iterator draws no global random number

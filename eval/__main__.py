@@ -3,6 +3,7 @@
     python -m eval                                            # n-gram + the EAGLE-3 run of `python -m train`
     python -m eval drafters.eagle3.path=runs/eagle3-quick/draft eval_set=[mtbench] limit=10
     python -m eval eval_set=[jsonl] eval_set.jsonl.path=my_prompts.jsonl temperatures=[0]
+    python -m eval device=cuda:1                              # the target and the trained heads on that GPU (default: auto)
     python -m eval +drafters.eagle3_tree='{_target_: eval.decoding.drafters.load_head, path: runs/eagle3-embedded/draft, tree: {budget: 16, depth: 6, topk: 4}}'
 
 Writes ``results.json``, ``results.md`` (the table, with the protocol) and ``acceptance.png`` into the run
@@ -63,7 +64,7 @@ def run(cfg: DictConfig) -> dict:
     from eval.decoding.drafters import build_drafter
     from eval.run import Journal, build_sets, count_defects, evaluate, log_results, protocol_of, write_report
     from models.target import load_tokenizer
-    target = instantiate(cfg.target)
+    target = instantiate(cfg.target, device=cfg.get("device", "auto"))  # auto: a GPU when one is visible
     tok = load_tokenizer(cfg.target.name_or_path)
     from eval.sets import PromptLengthPolicy
 
@@ -72,7 +73,8 @@ def run(cfg: DictConfig) -> dict:
                                 cfg.max_new_tokens, max([draft_room(d, cfg.k) for d in drafters.values()] or [draft_room(None, cfg.k)]))
     sets = build_sets(cfg)
     template = {"chat_template_kwargs": dict(cfg.chat_template_kwargs)} if cfg.get("chat_template_kwargs") else {}
-    protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""), **template)
+    protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
+                           device=str(target.device), **template)
     journal = Journal(Path(cfg.out_dir) / "journal.jsonl", protocol, bool(cfg.get("resume", False)))
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,
                        tie_ulps=cfg.tie_ulps, prompt_policy=policy, journal=journal,

@@ -35,7 +35,7 @@ def expected_acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor,
     """Σ_v min(p, q_s) [len(scales)]: a sampled draft's acceptance probability at T=1 (p = softmax(target_logits) [V],
     q_s = softmax(draft_logits / s) [V], −inf where the draft cannot propose)."""
     p = torch.softmax(target_logits.float(), -1)  # [V]
-    q = torch.softmax(draft_logits.float()[None] / torch.tensor(scales)[:, None], -1)  # [S, V]
+    q = torch.softmax(draft_logits.float()[None] / draft_logits.new_tensor(scales, dtype=torch.float32)[:, None], -1)  # [S, V]
     return torch.minimum(p[None], q).sum(-1)
 
 
@@ -51,13 +51,13 @@ def agreement(target, head, prompts: list[torch.Tensor], max_new_tokens: int, eo
         out, _ = dec.generate(ids, NoDrafter(), k=0, max_new_tokens=max_new_tokens)
         _, st = dec.generate(ids, head, k=1, max_new_tokens=max_new_tokens)
         acc, reached = acc + st.accepted_at[0], reached + st.proposed_at[0]
-        seq = torch.cat([ids.view(-1), torch.tensor(out)])[None]  # [1, T]
+        seq = torch.cat([ids.view(-1).cpu(), torch.tensor(out)])[None].to(target.device)  # [1, T]
         feats = target(seq, return_logits=True)
         P = ids.numel()
         for at in range(P - 1, seq.shape[1] - 2):  # pending token at+1 is an answer token (or the last prompt token)
             logits = head.teacher_forced_logits(seq, feats, at, 1)[0]  # [V], −inf outside the draft vocabulary
             want = int(seq[0, at + 2])  # greedy: the target's own next token
-            sampled += expected_acceptance(feats.logits[0, at + 1], logits, list(scales))
+            sampled += expected_acceptance(feats.logits[0, at + 1], logits, list(scales)).cpu()
             ok = int(logits.argmax()) == want
             hit, total = hit + ok, total + 1
             if torch.isfinite(logits[want]):
@@ -134,7 +134,7 @@ def sampled_agreement(target, head, prompts: list[torch.Tensor], max_new_tokens:
         out, st = dec.generate(ids, rec, k=k, max_new_tokens=max_new_tokens, sampler=sampler)
         acc, reached = acc + (st.accepted_at[:1] or [0])[0], reached + (st.proposed_at[:1] or [0])[0]
         roles = rec.roles()
-        seq = torch.cat([ids.view(-1), torch.tensor(out)])[None]  # [1, T]
+        seq = torch.cat([ids.view(-1).cpu(), torch.tensor(out)])[None].to(target.device)  # [1, T]
         feats = target(seq, return_logits=True)
         for at in range(ids.numel() - 1, seq.shape[1] - 2):  # the pending token at+1 is an answer token
             draft = head.teacher_forced_logits(seq, feats, at, 1)[0].float() / temperature  # [V], −inf outside the draft vocabulary
@@ -173,7 +173,7 @@ def main(cfg: DictConfig) -> None:
         temperature = -1.0
     if temperature < 0 or not isinstance(cfg.k, int) or cfg.k < 1:
         raise UserError(f"temperature={cfg.temperature}, k={cfg.k}: give a temperature >= 0 (0: the greedy comparison) and an integer k >= 1")
-    target = instantiate(cfg.target)
+    target = instantiate(cfg.target, device=cfg.get("device", "auto"))  # auto: a GPU when one is visible
     tok = load_tokenizer(cfg.target.name_or_path)
     head = load_head(cfg.path, target)
     target.set_tap_layers(head.tap_layers)

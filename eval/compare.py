@@ -116,7 +116,7 @@ def run(cfg: DictConfig) -> dict:
                                 "to train it again")
             trained[name] = json.loads(p.read_text())
 
-    target = instantiate(cfg.target)
+    target = instantiate(cfg.target, device=cfg.get("device", "auto"))  # auto: a GPU when one is visible
     tok = load_tokenizer(cfg.target.name_or_path)
     drafters = {name: build_drafter(node, target) for name, node in (cfg.baselines or {}).items() if node is not None}
     for name, tr in trained.items():

@@ -235,7 +235,7 @@ def run(cfg: DictConfig) -> dict:
     families = {k: list(v) for k, v in (cfg.families or {}).items() if v is not None}
     if not families:
         raise UserError("families is empty: name at least one family (e.g. families.eagle3=[draft=eagle3])")
-    target = instantiate(cfg.target)
+    target = instantiate(cfg.target, device=cfg.get("device", "auto"))  # auto: a GPU when one is visible
     tok = load_tokenizer(cfg.target.name_or_path)
     sets = build_sets(cfg)
     temps = list(cfg.temperatures)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, train_overrides
 
@@ -42,7 +43,7 @@ def run_eval(*args, draft_model: str | None = None):
 def test_eval_writes_table_json_and_plot(tiny_target_dir, trained, prompts, tmp_path):
     out = tmp_path / "eval"
     r = run_eval(f"target.name_or_path={tiny_target_dir}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",
-                 f"eval_set.jsonl.path={prompts}", f"out_dir={out}", "max_new_tokens=12", "k=3",
+                 f"eval_set.jsonl.path={prompts}", f"out_dir={out}", "max_new_tokens=12", "k=3", "device=cpu",
                  f"+drafters.tree_auto={{_target_: eval.decoding.drafters.load_head, path: {trained}, tree: {{budget: 4, depth: 3, topk: 2}}, k: auto}}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "max_new_tokens=12" in r.stdout and "| set | T | drafter |" in r.stdout
@@ -62,6 +63,9 @@ def test_eval_writes_table_json_and_plot(tiny_target_dir, trained, prompts, tmp_
     (["eval_set=[jsonl]", "eval_set.jsonl.path=/nonexistent.jsonl"], "no such prompt file"),
     (["temperatures=[-1]"], "temperature"),
     (["k=0"], "k=0"),
+    pytest.param(["device=cuda"], "device='cuda' but no GPU is visible; use device=cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
+    (["device=tpu:x"], "device='tpu:x': use auto, cpu, cuda or cuda:N"),
 ])
 def test_eval_bad_input(tiny_target_dir, trained, prompts, extra, expect, tmp_path):
     base = [f"target.name_or_path={tiny_target_dir}", f"drafters.eagle3.path={trained}", "eval_set=[jsonl]",

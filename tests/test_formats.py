@@ -108,6 +108,71 @@ def test_layer_id_conversion_is_the_one_engines_use(target_dir):
     assert engine_layer_ids([L - 1], "speculators") == [L] and torch.equal(target(ids).last_state, hs[L])
 
 
+def engine_collects(model, layer_ids: list[int], ids: torch.Tensor) -> torch.Tensor:
+    """What vLLM and SGLang hand an EAGLE-3 head: for each layer id (vLLM numbering, speculators'
+    ``eagle_aux_hidden_state_layer_ids``), the residual stream entering decoder layer id (``hidden_states + residual``
+    before it; in a Hugging Face Llama the hidden state passed into the layer) → [B, T, n, d]."""
+    got = {}
+
+    def grab(i):
+        def hook(module, args, kwargs):
+            got[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    hooks = [model.model.layers[i].register_forward_pre_hook(grab(i), with_kwargs=True) for i in layer_ids]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack([got[i] for i in layer_ids], dim=2)
+
+
+def test_an_exported_head_receives_the_features_it_was_trained_on(target_dir, tmp_path):
+    """vLLM's collection reproduced on the tiny Llama target: the layers an export lists are hooked the way an engine
+    reads them, and the features equal the tap states the head trained on, bit for bit; so do the head's inputs."""
+    target, head = make_head("eagle3", target_dir)
+    for taps in ([1, 3, 4], [0, 2, 4]):  # the recipes' taps; tap 4 is the input of the last layer
+        target.set_tap_layers(taps)
+        head.tap_layers = list(taps)
+        head.export(tmp_path / f"draft{taps}")
+        spec = export_draft(tmp_path / f"draft{taps}", "speculators", tmp_path / f"spec{taps}")
+        sgl = export_draft(tmp_path / f"draft{taps}", "sglang", tmp_path / f"sgl{taps}")
+        vllm_ids = json.loads((spec / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+        sglang_ids = [i + 1 for i in json.loads((sgl / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        assert vllm_ids == sglang_ids and max(vllm_ids) < target.num_layers  # every listed layer exists to be hooked
+        ids = batch(target.vocab_size)["input_ids"]
+        served = engine_collects(target.model, vllm_ids, ids)
+        trained = target(ids)
+        assert torch.equal(served, trained.tap_states)
+        from models.target import TargetOutput
+
+        loaded = load_draft(spec, FrozenTarget(str(target_dir), fast_linear=False))  # what the engine's copy computes
+        as_served = loaded.fuse(TargetOutput(tap_states=served, last_state=trained.last_state))  # [B, T, d]
+        assert torch.allclose(as_served, head.fuse(trained), atol=1e-6)
+
+
+def test_heads_trained_on_a_tap_no_engine_collects_are_refused(target_dir, tmp_path):
+    """An EAGLE-3 head that read the last layer's output (an old recipe's tap 5 of 6) is refused in one line by the
+    export and by loading; an EAGLE-1-style head, which reads the final-norm state, records tap 5 and loads."""
+    from eval.decoding.drafters import load_head
+
+    target, head = make_head("eagle3", target_dir)
+    target.set_tap_layers([1, 3, 5])
+    old = type(head)(target=target, **head.init_args)
+    old.export(tmp_path / "old")
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(UserError, match=r"tap_layers=\[1, 3, 5\]: tap 5 is the output of the last decoder layer, which no "
+                                            r"serving engine collects.*retrain"):
+            export_draft(tmp_path / "old", fmt, tmp_path / f"out-{fmt}")
+        assert not (tmp_path / f"out-{fmt}").exists()
+    with pytest.raises(UserError, match="no serving engine collects"):
+        load_head(str(tmp_path / "old"), target)
+    eagle = load_head("assets/embedded-eagle", FrozenTarget("embedded", fast_linear=False))
+    assert eagle.tap_layers == [5] and not eagle.reads_taps
+
+
 # -- round trips ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("family,fmt", CASES, ids=lambda x: x)
 def test_export_import_round_trip(family, fmt, target_dir, tmp_path):

@@ -31,7 +31,7 @@ from data.errors import UserError
 from eval.decoding.kvcache import new_cache
 from models.heads.drafting import Drafter, Proposal, Sampler, TreeDrafter
 from models.heads.trees import TreeSpec, node_depths, tree_mask
-from models.target import TargetOutput
+from models.target import TargetOutput, synchronize
 
 __all__ = ["Drafter", "GenStats", "NoDrafter", "Proposal", "Sampler", "SpeculativeDecoder", "TreeDrafter", "TreeSpec",
            "accept_greedy", "accept_sampling", "accept_tree", "crop", "keep_rows", "target_rows"]
@@ -190,14 +190,17 @@ class SpeculativeDecoder:
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens={max_new_tokens}: must be >= 1")
         sampler = sampler or Sampler()
-        ids = prompt_ids.view(1, -1)
+        dev = getattr(self.target, "device", prompt_ids.device)  # every tensor made here lives with the target's weights
+        ids = prompt_ids.view(1, -1).to(dev)
         stats = GenStats()
+        synchronize(dev)  # CUDA runs asynchronously: each timer reads the work done, not the work queued
         t0 = time.perf_counter()
         cache = new_cache()  # K/V in buffers grown by doubling (eval/kvcache.py), not concatenated every step
         out = self.target(ids, cache=cache, use_cache=True)
         logits = self.target.model.lm_head(out.last_state[:, -1:])[0]  # [1, V]
         first = int(logits[0].argmax()) if sampler.greedy else sampler.sample(sampler.probs(logits[0]))
         drafter.start(ids, out)
+        synchronize(dev)
         stats.t_prefill = time.perf_counter() - t0
         if record_top and sampler.greedy:
             _record_top(stats, logits, 1, record_top)
@@ -215,18 +218,21 @@ class SpeculativeDecoder:
             else:
                 prop = drafter.propose(new[-1], kk, sampler)
             is_tree = prop.parents is not None
-            draft = prop.tokens.to(torch.long) if is_tree else prop.tokens[:kk].to(torch.long)
+            draft = (prop.tokens if is_tree else prop.tokens[:kk]).to(dev, torch.long)
+            synchronize(dev)
             t2 = time.perf_counter()
-            block = torch.cat([torch.tensor([new[-1]]), draft]).view(1, -1)  # [1, 1+n]
+            block = torch.cat([torch.tensor([new[-1]], device=dev), draft]).view(1, -1)  # [1, 1+n]
             if is_tree:  # one forward over the whole tree: tree attention mask, positions by depth
-                depth = node_depths(prop.parents)
+                depth = node_depths(prop.parents).to(dev)
                 pos = cached + torch.cat([depth.new_zeros(1), depth])[None]  # [1, 1+n]
-                mask = tree_mask(prop.parents, cached)
-                bias = torch.zeros(mask.shape, dtype=getattr(self.target.model, "dtype", torch.float32)).masked_fill_(~mask, float("-inf"))
+                mask = tree_mask(prop.parents, cached).to(dev)
+                bias = torch.zeros(mask.shape, dtype=getattr(self.target.model, "dtype", torch.float32),
+                                   device=dev).masked_fill_(~mask, float("-inf"))
                 vout = self.target(block, attention_mask=bias[None, None], position_ids=pos, cache=cache, use_cache=True)
             else:
                 vout = self.target(block, cache=cache, use_cache=True)
             vlogits = self.target.model.lm_head(vout.last_state)[0]  # [1+n, V]
+            synchronize(dev)
             t3 = time.perf_counter()
             if is_tree:
                 path, nxt = accept_tree(draft, prop.parents, prop.probs, vlogits, sampler, prop.point)
@@ -260,11 +266,13 @@ class SpeculativeDecoder:
                 break
             t4 = time.perf_counter()
             drafter.commit(block[0, keep], target_rows(vout, keep))
+            synchronize(dev)
             stats.t_draft += time.perf_counter() - t4
             if auto and prop.usual:
                 k.update(reached, n, stats.t_draft - t_draft_before, reached if is_tree else draft.numel(), draft.numel(),
                          timed=stats.passes > 1, verify_s=t3 - t2)  # the first round also caught the drafter up on the prompt
         stats.new_tokens = len(new)
+        synchronize(dev)
         stats.t_total = time.perf_counter() - t0
         return new, stats
 
@@ -287,7 +295,7 @@ def keep_rows(cache: Any, start: int, rows: list[int]) -> None:
     ``start, start+1, ...`` and drop the rest. A chain's path is a prefix, so that is a crop; a tree's path is
     compacted in place (one gather per layer)."""
     if rows != list(range(len(rows))):
-        sel = torch.tensor(rows) + start
+        sel = torch.tensor(rows, device=cache.layers[0].keys.device) + start
         for layer in cache.layers:
             layer.keys[..., start: start + len(rows), :] = layer.keys[..., sel, :]
             layer.values[..., start: start + len(rows), :] = layer.values[..., sel, :]
@@ -298,5 +306,5 @@ def target_rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
     """The given positions of a target output (the accepted path of a verify block)."""
     if rows == list(range(len(rows))):
         return TargetOutput(tap_states=out.tap_states[:, : len(rows)], last_state=out.last_state[:, : len(rows)])
-    idx = torch.tensor(rows)
+    idx = torch.tensor(rows, device=out.last_state.device)
     return TargetOutput(tap_states=out.tap_states[:, idx], last_state=out.last_state[:, idx])

@@ -32,7 +32,7 @@ from models.formats.common import DTYPES, head_dims, load_tensors
 from models.formats.layer_ids import LAYER_IDS, engine_layer_ids, our_layer_ids
 from models.heads.base import FORMAT, DraftHead, read_draft_config
 
-__all__ = ["CANNOT", "DTYPES", "ENGINES", "FORMATS", "LAYER_IDS", "check_exportable", "check_import", "detect_format",
+__all__ = ["CANNOT", "DTYPES", "ENGINES", "FORMATS", "LAYER_IDS", "check_exportable", "check_servable_taps", "check_import", "detect_format",
            "draft_family", "engine_layer_ids", "export_draft", "head_dims", "import_draft", "load_draft",
            "load_export_target", "our_layer_ids", "resolve_draft_dir"]
 
@@ -59,6 +59,8 @@ def load_draft(path: str | Path, target: Any) -> DraftHead:
         cfg = read_draft_config(path)
     mod, _, name = cfg["class"].rpartition(".")
     cls = getattr(importlib.import_module(mod), name)
+    if getattr(cls, "reads_taps", True):  # a head reading the last layer's output was trained on what no engine collects
+        check_servable_taps(cfg["tap_layers"], target, f"{path}: tap_layers")
     target.set_tap_layers(cfg["tap_layers"])  # the draft was trained on these taps
     head = cls(target=target, **cfg["init_args"])
     head.target_identity = cfg["target"]
@@ -75,7 +77,20 @@ def load_draft(path: str | Path, target: Any) -> DraftHead:
     missing = [k for k in missing if k not in set(cfg.get("from_target") or [])]  # rebuilt from the target
     if missing or unexpected:
         raise UserError(f"{path}/model.safetensors does not match {cfg['class']}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return head
+    device = getattr(target, "device", None)
+    return head.to(device) if device is not None else head
+
+
+def check_servable_taps(taps: list[int], target: Any, who: str) -> None:
+    """A UserError (one line) when ``taps`` read the last decoder layer's output: engines collect the residual stream
+    entering a layer, so a head trained on that tap gets other features when served (and here, where taps are
+    recorded the same way). Such a head must be retrained on taps within 0..L-2."""
+    from models.target import check_collectable
+
+    try:
+        check_collectable(taps, int(getattr(target, "num_layers", target.config.num_hidden_layers)), who)
+    except UserError as e:
+        raise UserError(f"{e}; retrain the draft with such target.tap_layers") from None
 
 
 def detect_format(path: str | Path) -> str | None:

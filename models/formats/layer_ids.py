@@ -4,6 +4,11 @@ Engines disagree on how to number the target layers a draft reads. We, SGLang's 
 ``dflash_config`` name the *output* of decoder layer i (Hugging Face ``hidden_states[i + 1]``); speculators and
 vLLM name the index into ``hidden_states``, i.e. the *input* of layer i (vLLM's own DFlash reader subtracts one,
 see vllm#40727). Built on :func:`models.target.hf_hidden_index`.
+
+Both engines collect a listed layer's state as the residual stream entering a decoder layer (vLLM:
+``hidden_states + residual`` before layer id; SGLang: the same before layer id + 1 of its ``output`` id), so our tap
+``L - 1`` (the last layer's output, speculators id ``L``) is collected by neither: heads that read taps never use it
+(:func:`models.target.check_collectable`, refused by :func:`models.formats.load_draft` and so by every export).
 """
 from __future__ import annotations
 
