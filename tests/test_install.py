@@ -16,9 +16,14 @@ from conftest import ROOT
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """The package built as a wheel and installed into a folder of its own (its dependencies: this environment's)."""
+    import shutil
+
     site = tmp_path_factory.mktemp("site")
+    src = tmp_path_factory.mktemp("src") / "draftsmith"  # a copy: the build's own folders stay out of the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv*", "runs", "outputs", "multirun", "build",
+                                                             "dist", "*.egg-info", "__pycache__", ".pytest_cache"))
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(site),
-                        str(ROOT)], capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.getbasetemp())
+                        str(src)], capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.getbasetemp())
     if r.returncode != 0 and "No matching distribution found for setuptools" in r.stderr:
         pytest.skip("no package index reachable to build the wheel")
     assert r.returncode == 0, r.stderr[-3000:]
