@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test venv target clean check-speculators
+.PHONY: quickstart test venv target clean check-speculators gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
+
+# The whole user path on this machine's accelerator (the CPU when none is visible): regeneration through
+# transformers serve, features, training, evaluation, export; one JSON (runs/gpu-check/gpu_check.json).
+gpu-check: $(STAMP)
+	$(BIN)/python -m eval.gpu_check
 
 # Rebuild the embedded target from scratch (about two hours on a 2-core CPU); resumes from its last checkpoint.
 target: $(STAMP)

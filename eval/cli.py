@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "results": ("eval.results", "render docs/results.md from the measurements' JSON (check=true: verify it)"),
     "check-export": ("eval.check_export", "load exports with the speculators library and compare logits"),
     "quickstart": ("eval.quickstart", "the end-to-end demo on a CPU: train, then evaluate SmolLM2's shipped head"),
+    "gpu-check": ("eval.gpu_check", "the whole path on this machine's GPU (regenerate, features, train, eval, export)"),
     "embedded-target": ("train.embedded_target", "rebuild the small embedded target from scratch"),
     "bench-decode": ("eval.bench_decode", "developer benchmark: the decoder's time split and kernels"),
     "bench-train": ("eval.bench_train", "developer benchmark: training steps per second"),
