@@ -22,7 +22,7 @@ Stages (each skipped when its output is already there, so a run can be continued
    ``ttt_steps`` and decay, AdamW lr 1e-3 betas (0.9, 0.999) weight decay 0, 4% warm-up then cosine to 0, the frozen
    lm_head on the target's rows (speculators always freezes it), ``steps`` steps, packed batches of
    ``batch_size × max_length`` tokens, its eager loss and sdpa attention (Triton and flex attention need a GPU
-   compiler), bf16 autocast or fp32 as ``precision``. Its own defaults stay: ``norm_before_fc``,
+   compiler; on a GPU its defaults, the fused loss and flex attention, stay), bf16 autocast or fp32 as ``precision``. Its own defaults stay: ``norm_before_fc``,
    ``norm_before_residual``, ``norm_output``, a sliding-window layer (window 2,048), all imported faithfully by
    :func:`models.formats.load_draft`.
 4. **draftsmith**: ``python -m train`` with the recipe and the matching overrides (``features=offline`` on the same
@@ -57,6 +57,8 @@ libraries, so compare it between the two trainers only as a rough figure).
 - *Positions*: speculators' position ids start at 1 (``shift_batch``), draftsmith's at 0; RoPE is relative, so this
   changes no score.
 - *Variants*: speculators' defaults above; draftsmith's recipe has none of them.
+
+speculators 0.9.0 also trains DFlash (``--speculator-type dflash``); this command compares EAGLE-3 only.
 """
 from __future__ import annotations
 
@@ -199,9 +201,10 @@ def speculators_argv(cfg: DictConfig, data: Path, save: Path, verifier: str, row
             str(cfg.warmup_ratio), "--max-steps", str(cfg.steps), "--epochs", str(cfg.steps),
             "--total-seq-len", str(int(cfg.batch_size) * int(cfg.max_length)),
             "--train-data-ratio", str((train_rows + 0.5) / rows), "--hidden-states-dtype",
-            "bfloat16" if str(cfg.precision) == "bf16-mixed" else "float32", "--num-workers", "0",
-            "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--on-missing", "raise",
-            "--save-path", str(save), "--log-dir", str(save / "logs"), "--no-resume-from-checkpoint", "--seed", str(cfg.seed)]
+            "bfloat16" if str(cfg.precision) == "bf16-mixed" else "float32", "--num-workers", "0", "--on-missing", "raise",
+            "--save-path", str(save), "--log-dir", str(save / "logs"), "--no-resume-from-checkpoint", "--seed", str(cfg.seed),
+            # its Triton losses and flex attention need a GPU compiler: eager loss and sdpa elsewhere (same results)
+            *([] if torch.cuda.is_available() else ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa"])]
 
 
 def stage_features(cfg: DictConfig, out: Path) -> Path:
