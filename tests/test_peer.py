@@ -175,3 +175,33 @@ def test_speculators_trained_head_imports_faithfully(tmp_path, tiny_target_dir, 
     got = compare(ours, run_side([case], work)["trained"][0])
     assert got["max_abs_diff"] < 1e-4 and got["top1_agreement"] == 1.0, got
     shutil.rmtree(tmp_path / "data", ignore_errors=True)
+
+
+def test_speculators_arguments_match_the_recipe(tmp_path):
+    """Taps as hidden_states indices, the split at exactly the training rows, the packed row of batch × length tokens."""
+    from omegaconf import OmegaConf
+
+    from eval.peer import speculators_argv
+
+    cfg = OmegaConf.create({"tap_layers": [1, 3, 5], "draft_vocab_size": 2048, "ttt_steps": 2, "step_decay": 0.8, "lr": 1e-3,
+                            "warmup_ratio": 0.04, "steps": 100, "batch_size": 8, "max_length": 384, "precision": "32", "seed": 0})
+    for rows, train in [(860, 835), (35, 28), (7, 6)]:
+        argv = speculators_argv(cfg, tmp_path, tmp_path / "s", "verifier", rows, train)
+        arg = {k: argv[i + 1] for i, k in enumerate(argv) if k.startswith("--") and i + 1 < len(argv)}
+        assert int(rows * float(arg["--train-data-ratio"])) == train
+    i = argv.index("--target-layer-ids")
+    assert argv[i + 1: i + 4] == ["2", "4", "6"]
+    assert arg["--total-seq-len"] == "3072" and arg["--max-steps"] == "100" and arg["--ttt-steps"] == "2"
+    assert arg["--hidden-states-dtype"] == "float32" and arg["--draft-vocab-size"] == "2048"
+
+
+def test_bad_settings_give_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    for over, field in [("precision=16", "precision=16"), ("steps=0", "steps=0")]:
+        r = subprocess.run([sys.executable, "-m", "eval.peer", over, f"out={tmp_path / 'peer'}"], cwd=root, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().startswith(f"error: {field}"), r.stderr[-500:]
+        assert len(r.stderr.strip().splitlines()) == 1
