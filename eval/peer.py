@@ -14,7 +14,8 @@ Stages (each skipped when its output is already there, so a run can be continued
    in tap order, then the target's last decoder layer output *before* the final norm) and ``token_ids`` [n], and the
    draft vocabulary as ``d2t-<V>.npy``/``t2d-<V>.npy``. The cache holds the final-normed last state only; the
    pre-norm state is recomputed here by running the target over the cached tokens with a hook on its final norm's
-   input (checked: the hook's state through the final norm equals the cached state within bf16 rounding). The draft
+   input, on right-padded batches of 8 (checked: the hook's state through the final norm equals the cached state
+   within the cache's rounding: ``prenorm_check_max_abs``). The draft
    vocabulary is the one draftsmith builds from the same loss-masked training tokens
    (:func:`models.heads.vocab.build_draft_vocab`), so both heads draft over the same 2,048 tokens.
 3. **speculators**: ``speculators train`` (EAGLE-3) through ``eval/peer_side.py`` in the side venv
@@ -84,17 +85,17 @@ SIDE_SCRIPT = Path(__file__).resolve().parent / "peer_side.py"
 
 # -- the feature cache in speculators' layout ------------------------------------------------------------
 @torch.no_grad()
-def prenorm_last(target: Any, ids: torch.Tensor) -> torch.Tensor:
-    """The target's last decoder layer output before its final norm, [T, d], for token ids [T] (a hook on the final
-    norm's input)."""
+def prenorm_last(target: Any, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's last decoder layer output before its final norm for token ids [T] → [T, d], or a right-padded
+    batch [B, T] (``attention_mask``) → [B, T, d]: a hook on the final norm's input."""
     norm = target.model.model.norm
     got = {}
     hook = norm.register_forward_pre_hook(lambda m, args: got.__setitem__("x", args[0].detach()))
     try:
-        target(ids[None])
+        target(ids if ids.dim() == 2 else ids[None], attention_mask=attention_mask)
     finally:
         hook.remove()
-    return got["x"][0]
+    return got["x"] if ids.dim() == 2 else got["x"][0]
 
 
 def convert_cache(feature_dir: Path, target: Any, draft_vocab_size: int, out: Path) -> dict:
@@ -119,10 +120,11 @@ def convert_cache(feature_dir: Path, target: Any, draft_vocab_size: int, out: Pa
         hs.mkdir()
         ids_all, mask_all, offsets, n = [], [], [0], 0
         for split in ("train", "heldout"):
-            for r in splits[split]:
+            ds = splits[split]
+            for r, pre in _with_prenorm(target, ds):
                 ids = r["input_ids"].long()
-                pre = prenorm_last(target, ids).to(r["tap_states"].dtype)  # [T, d]
-                normed = target.model.model.norm(pre.float())
+                normed = target.model.model.norm(pre.float())  # the check, before the cast to the cache's dtype
+                pre = pre.to(r["tap_states"].dtype)  # [T, d]
                 worst = max(worst, (normed - r["last_state"].float()).abs().max().item())
                 if split == "train":
                     top = (r["last_state"].float() @ head.T.float()).argmax(-1)  # [T]
@@ -150,6 +152,18 @@ def convert_cache(feature_dir: Path, target: Any, draft_vocab_size: int, out: Pa
                 "prenorm_check_max_abs": worst, "argmax_outside_draft_vocab": outside / max(scored, 1)}
         (tmp / "peer_convert.json").write_text(json.dumps(info, indent=2))
     return info
+
+
+def _with_prenorm(target: Any, ds, batch: int = 8):
+    """(row, its pre-norm last state [T, d]) for every row of ``ds``, the target run on right-padded batches."""
+    from data.features import collate
+
+    for s in range(0, len(ds), batch):
+        rows = [ds[i] for i in range(s, min(s + batch, len(ds)))]
+        b = collate([{"input_ids": r["input_ids"].long(), "loss_mask": r["loss_mask"].long()} for r in rows])
+        pre = prenorm_last(target, b["input_ids"], b["attention_mask"])  # [B, T, d]
+        for i, r in enumerate(rows):
+            yield r, pre[i, : r["input_ids"].numel()]
 
 
 def run_side(job: dict, work: Path, timeout: int = 7200) -> None:

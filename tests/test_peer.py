@@ -109,6 +109,12 @@ def test_prenorm_state_through_the_final_norm_is_the_cached_state(tiny_target_di
     last = target(ids[None]).last_state[0]
     torch.testing.assert_close(target.model.model.norm(pre), last)
     assert not torch.allclose(pre, last, atol=1e-3)  # it is not the normed state itself
+    batch = torch.stack([ids, torch.cat([ids[:11], torch.zeros(6, dtype=torch.long)])])  # the second right-padded
+    mask = torch.ones_like(batch)
+    mask[1, 11:] = 0
+    both = prenorm_last(target, batch, mask)  # [2, 17, d]
+    torch.testing.assert_close(both[0], pre, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(both[1, :11], pre[:11], atol=1e-5, rtol=1e-5)
 
 
 def side_or_skip():
