@@ -296,8 +296,8 @@ def test_import_that_does_not_match_names_the_field(target_dir, tmp_path):
         load_draft(edited(lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 3])), t)
     with pytest.raises(UserError, match=r"t2d marks 200 tokens, draft_vocab_size is 150"):
         load_draft(edited(lambda c: c.update(draft_vocab_size=150)), t)
-    with pytest.raises(UserError, match=r"config.norm_before_residual=true"):
-        load_draft(edited(lambda c: c.update(norm_before_residual=True)), t)
+    with pytest.raises(UserError, match=r"config.fc_norm=true"):
+        load_draft(edited(lambda c: c.update(fc_norm=True)), t)
     with pytest.raises(UserError, match=r"rope_type 'yarn' is not supported"):
         load_draft(edited(lambda c: c["transformer_layer_config"].update(rope_parameters={"rope_type": "yarn", "factor": 4.0})), t)
     with pytest.raises(UserError, match=r"speculators_model_type='peagle' cannot be imported"):

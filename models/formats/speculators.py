@@ -59,9 +59,14 @@ def _speculative_tokens(raw: dict) -> int:
 def _eagle3_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
     d = head_dims(head)
     cfg = _envelope("eagle3", "Eagle3Speculator", head.ttt_steps, verifier)
-    cfg.update(transformer_layer_config=layer_config("llama", d, tc, 1, dtype), draft_vocab_size=d["draft_vocab_size"],
-               norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False,
-               embed_requires_grad=False, target_hidden_size=None,
+    layer = layer_config("llama", d, tc, 1, dtype)
+    window = getattr(head, "sliding_window", None)
+    if window is not None:  # speculators' sliding-window layer (its trainer's default)
+        layer.update(sliding_window=window, use_sliding_window=True, layer_types=["sliding_attention"])
+    cfg.update(transformer_layer_config=layer, draft_vocab_size=d["draft_vocab_size"],
+               norm_before_residual=bool(getattr(head, "norm_before_residual", False)),
+               norm_before_fc=getattr(head, "input_norm", None) is not None, fc_norm=False,
+               norm_output=bool(getattr(head, "norm_output", False)), embed_requires_grad=False, target_hidden_size=None,
                eagle_aux_hidden_state_layer_ids=engine_layer_ids(head.tap_layers, NAME))
     # speculators saves EAGLE-3 drafts with their (frozen) embedding, and its loader relies on it being there:
     # without it from_pretrained leaves a freshly initialised table instead of the verifier's
@@ -79,7 +84,31 @@ def _eagle3_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
     taps = our_layer_ids(ids, NAME, "eagle_aux_hidden_state_layer_ids")
     state = rename_in({k: v for k, v in state.items() if not k.startswith("verifier_")},  # the verifier's copies
                       lambda k: k.replace("layers.0.", "midlayer.", 1))
-    return eagle3_finish(raw, c, where, state, target, taps, _speculative_tokens(raw))
+    variants = _eagle3_variants(raw, c, where)
+    plain = {k: v for k, v in raw.items() if k not in ("norm_before_fc", "norm_before_residual", "norm_output")}
+    if "sliding_window" in variants:  # read above: the rest of the layer config is checked as a full-attention one
+        c = {k: v for k, v in c.items() if k not in ("layer_types", "sliding_window", "use_sliding_window")}
+    cfg, state = eagle3_finish(plain, c, where, state, target, taps, _speculative_tokens(raw))
+    for k in ("norm_before_fc", "norm_before_residual", "norm_output", "sliding_window"):
+        cfg["init_args"].pop(k, None)  # what the checkpoint says, not what a recorded config said
+    cfg["init_args"].update(variants)
+    return cfg, state
+
+
+def _eagle3_variants(raw: dict, c: dict, where: str) -> dict:
+    """The head options (:class:`models.heads.eagle3.Eagle3Head`) for speculators' EAGLE-3 variants: its trainer's
+    defaults are ``norm_before_fc``, ``norm_before_residual``, ``norm_output`` and a sliding-window layer."""
+    if raw.get("fc_norm"):
+        raise UserError("config.fc_norm=true: the EAGLE-3 head here has no per-tap norms before fc (norm_before_fc, one "
+                        "norm over the concatenated taps, it has)")
+    out = {k: True for k in ("norm_before_fc", "norm_before_residual", "norm_output") if raw.get(k)}
+    types = c.get("layer_types") or []
+    if types and types[0] not in ("sliding_attention", "full_attention"):
+        raise UserError(f"{where}.layer_types={types}: the EAGLE-3 head here has full or sliding-window attention")
+    sliding = types[0] == "sliding_attention" if types else bool(c.get("use_sliding_window") and c.get("sliding_window"))
+    if sliding:
+        out["sliding_window"] = int(need(c, "sliding_window", where))
+    return out
 
 
 # -- DFlash / DSpark ----------------------------------------------------------------------------------------

@@ -19,9 +19,18 @@ Alignment (``loss_mask`` convention of :mod:`data.chat`): at step j, position t 
 position t and token ``input_ids[t+1+j]``, and learns the target's distribution at position t+1+j
 (the next token, ``input_ids[t+2+j]``), weighted by ``loss_mask[t+2+j]``.
 Module names follow SGLang/SpecForge (``fc``, ``midlayer``, ``norm``, ``lm_head``, ``d2t``, ``t2d``).
+
+Variants of vLLM's ``speculators`` trainer (its EAGLE-3 defaults; all off here unless set, so a head is imported
+from a checkpoint trained by it faithfully): ``norm_before_fc`` — one RMSNorm (``input_norm``) over the concatenated
+taps before ``fc``; ``norm_before_residual`` — the residual around attention starts from the normed hidden input
+instead of the raw one; ``norm_output`` — each step's output is passed through ``norm`` before it is fed to the next
+step (and ``lm_head`` reads it as it is); ``sliding_window`` — a query sees the step-0 keys of the last
+``sliding_window`` positions only (its own included), the drafted keys as before. None of them measured a gain here
+yet: they exist to read such checkpoints.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -62,14 +71,22 @@ class Eagle3Head(DraftHead):
     def __init__(self, target: Any, ttt_steps: int = 7, draft_vocab_size: int | None = 32000, step_decay: float = 0.8,
                  num_heads: int | None = None, num_kv_heads: int | None = None, intermediate_size: int | None = None,
                  rope_theta: float | None = None, rms_eps: float = 1e-6, freeze_lm_head: bool = False,
-                 feature_weight: float = 0.0):
+                 feature_weight: float = 0.0, norm_before_fc: bool = False, norm_before_residual: bool = False,
+                 norm_output: bool = False, sliding_window: int | None = None):
+        variants = {k: v for k, v in (("norm_before_fc", norm_before_fc), ("norm_before_residual", norm_before_residual),
+                                      ("norm_output", norm_output), ("sliding_window", sliding_window)) if v}
         super().__init__(target, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size, step_decay=step_decay,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                          rope_theta=rope_theta, rms_eps=rms_eps, freeze_lm_head=freeze_lm_head,
-                         feature_weight=feature_weight)
+                         feature_weight=feature_weight,
+                         **variants)  # recorded only when set: exports of the plain head stay as they were
         if ttt_steps < 1:
             raise UserError(f"draft.ttt_steps={ttt_steps}: must be >= 1")
         self.feature_weight = loss_weight(feature_weight, "draft.feature_weight")
+        if sliding_window is not None and int(sliding_window) < 1:
+            raise UserError(f"draft.sliding_window={sliding_window}: must be >= 1 (or null: full attention)")
+        self.norm_before_residual, self.norm_output = bool(norm_before_residual), bool(norm_output)
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
         tc = target.config
         d, V = tc.hidden_size, tc.vocab_size
         n_taps = len(target.tap_layers)
@@ -79,6 +96,7 @@ class Eagle3Head(DraftHead):
 
         self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
         self.fc = nn.Linear(n_taps * d, d, bias=False)
+        self.input_norm = RMSNorm(n_taps * d, rms_eps) if norm_before_fc else None  # over the concatenated taps
         self.midlayer = Eagle3MidLayer(d, n_heads, n_kv, head_dim, intermediate_size or tc.intermediate_size, rms_eps)
         self.norm = RMSNorm(d, rms_eps)
         copy_final_norm(self.norm, target)  # the draft's final norm feeds rows of the target's head: start from its norm
@@ -138,12 +156,13 @@ class Eagle3Head(DraftHead):
 
     def fuse(self, feats: Any) -> torch.Tensor:
         """The hidden input of step 0 from the target's features: ``fc`` over the taps, [B, T, n_taps, d] → [B, T, d]."""
-        return self.fc(feats.tap_states.flatten(-2).to(self.fc.weight.dtype))
+        x = feats.tap_states.flatten(-2).to(self.fc.weight.dtype)  # [B, T, n_taps·d]
+        return self.fc(x if self.input_norm is None else self.input_norm(x))
 
     def feature_of(self, h: torch.Tensor) -> torch.Tensor:
         """What ``lm_head`` reads of a step's pre-norm output h [B, T, d]: the draft's final norm of it, in the
-        place of the target's final-norm feature."""
-        return self.norm(h)
+        place of the target's final-norm feature (``norm_output``: h is normed already)."""
+        return h if self.norm_output else self.norm(h)
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, T, Vd] of a step's pre-norm output h [B, T, d]."""
@@ -160,9 +179,11 @@ class Eagle3Head(DraftHead):
         return self.feature_weight * feature_regression(h, f, w)
 
     def residual(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual + MLP: the pre-norm output [B, T, d] fed to the next step."""
-        h = hidden + self.midlayer.self_attn.out(attn_out)
-        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        """Residual + MLP: the output [B, T, d] fed to the next step (pre-norm; ``norm_output``: normed)."""
+        res = self.midlayer.hidden_norm(hidden) if self.norm_before_residual else hidden
+        h = res + self.midlayer.self_attn.out(attn_out)
+        h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        return self.norm(h) if self.norm_output else h
 
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-norm output [B, T, d], draft logits [B, T, Vd])."""
@@ -182,8 +203,29 @@ class Eagle3Head(DraftHead):
             q, k, v = self.step(hidden, shift_left(ids, 1 + j), base_pos + j)
             keys.append(k)
             values.append(v)
-            hidden = self.residual(hidden, ttt_attention(q, keys, values, key_valid=valid))
+            hidden = self.residual(hidden, self.attend(q, keys, values, valid))
             yield hidden
+
+    def attend(self, q: torch.Tensor, keys: list, values: list, valid: torch.Tensor) -> torch.Tensor:
+        """Training-time-test attention (q [B, H, T, hd], one key/value list entry per step so far) → [B, H, T, hd];
+        with ``sliding_window`` the step-0 keys further back than the window are hidden, where T makes it bind."""
+        W, T = self.sliding_window, q.shape[2]
+        if W is None or T <= W:
+            return ttt_attention(q, keys, values, key_valid=valid)
+        idx = torch.arange(T, device=q.device)
+        near = (idx[:, None] - idx[None, :] < W) & (idx[:, None] >= idx[None, :])  # [T, T] causal, inside the window
+        s0 = (q @ keys[0].transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, H, T, T]
+        s0 = s0.masked_fill(~(near & valid[:, None, None, :].bool()), torch.finfo(s0.dtype).min)
+        diag = [(q * k).sum(-1, keepdim=True) / math.sqrt(q.shape[-1]) for k in keys[1:]]  # j × [B, H, T, 1]
+        p = torch.softmax(torch.cat([s0] + diag, dim=-1).float(), dim=-1).to(q.dtype)
+        out = p[..., :T] @ values[0]
+        for i, v in enumerate(values[1:]):
+            out = out + p[..., T + i: T + i + 1] * v
+        return out
+
+    def window_start(self, n_ctx: int) -> int:
+        """The first context key a query at the last of ``n_ctx`` context positions sees (``sliding_window``)."""
+        return 0 if self.sliding_window is None else max(0, n_ctx - self.sliding_window)
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
         """[steps, V] logits over the target vocabulary (−inf outside the draft vocabulary) of the training
@@ -257,7 +299,8 @@ class Eagle3Head(DraftHead):
         self._ctx.keep()
         # Every pending row's key/value is cached, but only the last row's output is used: the last query sees
         # the whole context (no mask), and the MLP and the draft lm_head run on one row, not m.
-        o = torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], keys, values)  # [1, H, 1, hd]
+        w0 = self.window_start(keys.shape[2])
+        o = torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], keys[:, :, w0:], values[:, :, w0:])  # [1, H, 1, hd]
         h_out, logits = self.finish(h[:, -1:], o)  # [1, 1, d], [1, 1, Vd]
         self._pos += m
         self._pending_h, self._pending_next = h[:, :0], self._pending_next[:0]
@@ -278,7 +321,8 @@ class Eagle3Head(DraftHead):
                 break
             q, k1, v1 = self.step(last_h, torch.tensor([[t]], device=dev), range(self._pos + j, self._pos + j + 1))
             ks, vs = self._ctx.add(k1, v1)  # the context, then this round's drafts
-            o = torch.nn.functional.scaled_dot_product_attention(q, ks, vs)
+            w0 = self.window_start(self._ctx.n)
+            o = torch.nn.functional.scaled_dot_product_attention(q, ks[:, :, w0:], vs[:, :, w0:])
             last_h, lg = self.finish(last_h, o)
             last_logits = lg[0, -1]
         self._ctx.keep(0)  # drafted positions are not context
@@ -309,6 +353,7 @@ class Eagle3Head(DraftHead):
             keys, values = self._ctx.add(k, v)  # [1, H, P+N, hd]
             sees = ancestors(parents)[nodes][:, done].to(dev)  # [m, N]: ancestors and itself among the keyed nodes
             mask = torch.cat([torch.ones(m, P, dtype=torch.bool, device=dev), sees], 1)  # [m, P+N]
+            mask[:, : self.window_start(P)] = False  # sliding_window: context keys out of reach
             o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             h, logits = self.finish(hid, o)  # [1, m, d], [1, m, Vd]
             hs = torch.cat([hs, h[0]])

@@ -1,0 +1,213 @@
+"""eval.peer and speculators' EAGLE-3 variants: the head's options, their import, and a head trained by speculators'
+own trainer (through eval/peer_side.py's CPU launcher) whose logits through our import equal speculators' forward."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.errors import UserError
+from test_decode_equals_train import check_decode_equals_train, check_tree_equals_train, perturbed
+from test_heads import DRAFT_CONFIGS
+
+EAGLE3 = next(p for p in DRAFT_CONFIGS if p.stem == "eagle3")
+VARIANTS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+
+
+def test_variants_decode_as_they_train():
+    """With every speculators variant on and a window that binds (4 keys on sequences of ~30), decoding's chain and
+    tree still draft what the teacher-forced training forward gives."""
+    target, head = perturbed(EAGLE3, **VARIANTS, sliding_window=4)
+    check_decode_equals_train(target, head)
+    target, head = perturbed(EAGLE3, **VARIANTS, sliding_window=4)
+    check_tree_equals_train(target, head)
+
+
+def test_each_variant_changes_the_forward_and_a_wide_window_does_not():
+    torch.manual_seed(0)
+    target, plain = perturbed(EAGLE3)
+    ids = torch.randint(0, 128, (1, 24))
+    feats = target(ids)
+
+    def logits(head):
+        return torch.stack([head.logits_of(h) for h in head.unroll(ids, torch.ones_like(ids), feats, 2)])
+
+    base = logits(plain)
+    for over in [{"norm_before_fc": True}, {"norm_before_residual": True}, {"norm_output": True}, {"sliding_window": 3}]:
+        _, head = perturbed(EAGLE3, **over)
+        assert not torch.allclose(logits(head), base, atol=1e-4), over
+    _, wide = perturbed(EAGLE3, sliding_window=24)
+    torch.testing.assert_close(logits(wide), base)
+
+
+def variant_head(target_dir: Path, **over):
+    """An EAGLE-3 head on the tiny target (a folder, so that it exports) with random weights and ``over`` options."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    from models.target import FrozenTarget, default_tap_layers
+
+    target = FrozenTarget(str(target_dir))
+    target.set_tap_layers(default_tap_layers(target.num_layers, "eagle3"))
+    torch.manual_seed(0)
+    head = hydra.utils.instantiate(OmegaConf.merge(OmegaConf.load(EAGLE3), {"draft_vocab_size": 96, "ttt_steps": 2}, over),
+                                   target=target, _convert_="all")
+    head.prepare_from_data(torch.rand(target.vocab_size, generator=torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.normal_(0.0, 0.3 if p.ndim > 1 else 1.0)
+    return target, head.eval()
+
+
+def test_variants_round_trip_through_the_speculators_format(tiny_target_dir, tmp_path):
+    """Export to speculators' layout (its flags and sliding-window layer config) and import back with the config as
+    speculators writes it (no record of ours): same options, same weights, same logits."""
+    from models.formats import export_draft, load_draft
+
+    target, head = variant_head(tiny_target_dir, **VARIANTS, sliding_window=5)
+    out = export_draft(head.export(tmp_path / "draft"), "speculators", tmp_path / "spec")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["norm_before_fc"] and raw["norm_before_residual"] and raw["norm_output"] and not raw["fc_norm"]
+    assert raw["transformer_layer_config"]["layer_types"] == ["sliding_attention"]
+    assert raw["transformer_layer_config"]["sliding_window"] == 5
+    raw.pop("draftsmith")
+    (out / "config.json").write_text(json.dumps(raw))
+    back = load_draft(out, target).eval()
+    for k, v in {**VARIANTS, "sliding_window": 5}.items():
+        assert back.init_args[k] == v
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    feats = target(ids)
+    a = [head.logits_of(h) for h in head.unroll(ids, torch.ones_like(ids), feats, 2)]
+    b = [back.logits_of(h) for h in back.unroll(ids, torch.ones_like(ids), feats, 2)]
+    torch.testing.assert_close(torch.stack(b), torch.stack(a))
+
+
+def test_per_tap_norms_are_refused_with_one_line(tiny_target_dir, tmp_path):
+    from models.formats import export_draft, load_draft
+
+    target, head = variant_head(tiny_target_dir)
+    out = export_draft(head.export(tmp_path / "draft"), "speculators", tmp_path / "spec")
+    raw = json.loads((out / "config.json").read_text())
+    assert not raw["norm_before_fc"] and not raw["norm_output"] and "layer_types" not in raw["transformer_layer_config"]
+    raw["fc_norm"] = True
+    (out / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UserError, match="fc_norm"):
+        load_draft(out, target)
+
+
+def test_prenorm_state_through_the_final_norm_is_the_cached_state(tiny_target_dir):
+    from eval.peer import prenorm_last
+    from models.target import FrozenTarget
+
+    target = FrozenTarget(str(tiny_target_dir), tap_layers=[0, 1, 2])
+    ids = torch.randint(0, 128, (17,))
+    pre = prenorm_last(target, ids)
+    last = target(ids[None]).last_state[0]
+    torch.testing.assert_close(target.model.model.norm(pre), last)
+    assert not torch.allclose(pre, last, atol=1e-3)  # it is not the normed state itself
+    batch = torch.stack([ids, torch.cat([ids[:11], torch.zeros(6, dtype=torch.long)])])  # the second right-padded
+    mask = torch.ones_like(batch)
+    mask[1, 11:] = 0
+    both = prenorm_last(target, batch, mask)  # [2, 17, d]
+    torch.testing.assert_close(both[0], pre, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(both[1, :11], pre[:11], atol=1e-5, rtol=1e-5)
+
+
+def side_or_skip():
+    from eval.check_export import side_python
+
+    try:
+        return side_python()
+    except UserError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.slow
+def test_speculators_trained_head_imports_faithfully(tmp_path, tiny_target_dir, tiny_chats):
+    """A tiny feature cache in speculators' layout, 3 steps of speculators' own trainer (its defaults: norm before fc,
+    before the residual, normed outputs, a sliding-window layer) on the CPU through eval/peer_side.py, then the
+    checkpoint through models.formats.load_draft: its TTT logits equal speculators' forward (window shrunk to 8 so that
+    it binds on the 40-token text)."""
+    side_or_skip()
+    from conftest import compose_train, train_overrides
+    from safetensors.torch import load_file, save_file
+
+    from data.features import write_features
+    from data.errors import instantiate
+    from eval.check_export import compare, make_case, run_side
+    from eval.peer import convert_cache, run_side as peer_side, speculators_argv
+    from models.formats import load_draft
+    from models.target import FrozenTarget
+
+    cfg = compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run"))
+    taps = [0, 1, 2]
+    target = FrozenTarget(str(tiny_target_dir), tap_layers=taps, dtype="float32")
+    dm = instantiate(cfg.data, tokenizer=str(tiny_target_dir))
+    for split in ("train", "heldout"):
+        write_features(target, dm.split(split), tmp_path / "features" / split, dtype="float32")
+    info = convert_cache(tmp_path / "features", target, 64, tmp_path / "data")
+    assert info["prenorm_check_max_abs"] < 1e-4
+    from omegaconf import OmegaConf
+
+    pc = OmegaConf.create({"tap_layers": taps, "draft_vocab_size": 64, "ttt_steps": 2, "step_decay": 0.8, "lr": 1e-3,
+                           "warmup_ratio": 0.04, "steps": 3, "batch_size": 2, "max_length": 64, "precision": "32", "seed": 0})
+    save = tmp_path / "spec"
+    save.mkdir()
+    argv = speculators_argv(pc, tmp_path / "data", save, str(tiny_target_dir), info["rows"], info["train_rows"])
+    peer_side({"kind": "train", "save_path": str(save), "argv": argv}, save)
+    stats = json.loads((save / "peer_train.json").read_text())
+    assert stats["steps"] == 3 and stats["tokens"] > 0
+    ckpt = Path(stats["checkpoint"])
+    raw = json.loads((ckpt / "config.json").read_text())
+    assert raw["norm_before_fc"] and raw["norm_output"] and raw["transformer_layer_config"]["layer_types"] == ["sliding_attention"]
+    # an fp32 copy (bf16 → fp32 is exact) with a window that binds
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    save_file({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(ckpt / "model.safetensors")).items()},
+              str(draft / "model.safetensors"))
+    raw["dtype"] = raw["transformer_layer_config"]["dtype"] = "float32"
+    raw["transformer_layer_config"]["sliding_window"] = 8
+    (draft / "config.json").write_text(json.dumps(raw))
+    head = load_draft(draft, FrozenTarget(str(tiny_target_dir), dtype="float32")).eval()
+    assert head.init_args["sliding_window"] == 8 and head.tap_layers == taps
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    work = tmp_path / "side"
+    work.mkdir()
+    case, ours, _ = make_case("trained", head, target, draft, "speculators", ids, None, work, str(tiny_target_dir))
+    got = compare(ours, run_side([case], work)["trained"][0])
+    assert got["max_abs_diff"] < 1e-4 and got["top1_agreement"] == 1.0, got
+    shutil.rmtree(tmp_path / "data", ignore_errors=True)
+
+
+def test_speculators_arguments_match_the_recipe(tmp_path):
+    """Taps as hidden_states indices, the split at exactly the training rows, the packed row of batch × length tokens."""
+    from omegaconf import OmegaConf
+
+    from eval.peer import speculators_argv
+
+    cfg = OmegaConf.create({"tap_layers": [1, 3, 5], "draft_vocab_size": 2048, "ttt_steps": 2, "step_decay": 0.8, "lr": 1e-3,
+                            "warmup_ratio": 0.04, "steps": 100, "batch_size": 8, "max_length": 384, "precision": "32", "seed": 0})
+    for rows, train in [(860, 835), (35, 28), (7, 6)]:
+        argv = speculators_argv(cfg, tmp_path, tmp_path / "s", "verifier", rows, train)
+        arg = {k: argv[i + 1] for i, k in enumerate(argv) if k.startswith("--") and i + 1 < len(argv)}
+        assert int(rows * float(arg["--train-data-ratio"])) == train
+    i = argv.index("--target-layer-ids")
+    assert argv[i + 1: i + 4] == ["2", "4", "6"]
+    assert arg["--total-seq-len"] == "3072" and arg["--max-steps"] == "100" and arg["--ttt-steps"] == "2"
+    assert arg["--hidden-states-dtype"] == "float32" and arg["--draft-vocab-size"] == "2048"
+
+
+def test_bad_settings_give_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    for over, field in [("precision=16", "precision=16"), ("steps=0", "steps=0")]:
+        r = subprocess.run([sys.executable, "-m", "eval.peer", over, f"out={tmp_path / 'peer'}"], cwd=root, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().startswith(f"error: {field}"), r.stderr[-500:]
+        assert len(r.stderr.strip().splitlines()) == 1
