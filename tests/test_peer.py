@@ -189,14 +189,14 @@ def test_speculators_arguments_match_the_recipe(tmp_path):
 
     from eval.peer import speculators_argv
 
-    cfg = OmegaConf.create({"tap_layers": [1, 3, 5], "draft_vocab_size": 2048, "ttt_steps": 2, "step_decay": 0.8, "lr": 1e-3,
+    cfg = OmegaConf.create({"tap_layers": [1, 3, 4], "draft_vocab_size": 2048, "ttt_steps": 2, "step_decay": 0.8, "lr": 1e-3,
                             "warmup_ratio": 0.04, "steps": 100, "batch_size": 8, "max_length": 384, "precision": "32", "seed": 0})
     for rows, train in [(860, 835), (35, 28), (7, 6)]:
         argv = speculators_argv(cfg, tmp_path, tmp_path / "s", "verifier", rows, train)
         arg = {k: argv[i + 1] for i, k in enumerate(argv) if k.startswith("--") and i + 1 < len(argv)}
         assert int(rows * float(arg["--train-data-ratio"])) == train
     i = argv.index("--target-layer-ids")
-    assert argv[i + 1: i + 4] == ["2", "4", "6"]
+    assert argv[i + 1: i + 4] == ["2", "4", "5"]
     assert arg["--total-seq-len"] == "3072" and arg["--max-steps"] == "100" and arg["--ttt-steps"] == "2"
     assert arg["--hidden-states-dtype"] == "float32" and arg["--draft-vocab-size"] == "2048"
 
