@@ -54,7 +54,8 @@ def start_server(folder: str, dtype: str, device: str, serve_args: list[str], lo
     cmd = [str(exe), "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--device", device, "--log-level", "warning", *serve_args]
     print("server: " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"} if Path(folder).is_dir() else None  # a local folder needs no hub
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.time() + timeout_s
     while True:
         try:

@@ -52,12 +52,7 @@ class Agg:
         self.drafted += st.drafted
         for a in st.accepted_hist:
             self.hist[a] = self.hist.get(a, 0) + 1
-        for i, (p, a) in enumerate(zip(st.proposed_at, st.accepted_at)):
-            while len(self.proposed_at) <= i:
-                self.proposed_at.append(0)
-                self.accepted_at.append(0)
-            self.proposed_at[i] += p
-            self.accepted_at[i] += a
+        self._add_at(st.proposed_at, st.accepted_at)
         self.t_draft += st.t_draft
         self.t_verify += st.t_verify
         self.t_prefill += st.t_prefill
@@ -71,13 +66,17 @@ class Agg:
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for a, c in other.hist.items():
             self.hist[a] = self.hist.get(a, 0) + c
-        for i, (pr, ac) in enumerate(zip(other.proposed_at, other.accepted_at)):
+        self._add_at(other.proposed_at, other.accepted_at)
+        self.divergences += other.divergences
+
+    def _add_at(self, proposed: list[int], accepted: list[int]) -> None:
+        """Per-position counts: drafts that reached position i, and those of them accepted."""
+        for i, (p, a) in enumerate(zip(proposed, accepted)):
             while len(self.proposed_at) <= i:
                 self.proposed_at.append(0)
                 self.accepted_at.append(0)
-            self.proposed_at[i] += pr
-            self.accepted_at[i] += ac
-        self.divergences += other.divergences
+            self.proposed_at[i] += p
+            self.accepted_at[i] += a
 
     def as_dict(self) -> dict:
         from dataclasses import asdict

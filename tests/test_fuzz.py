@@ -1,4 +1,4 @@
-"""A battery of damaged files and bad values thrown at every CLI (issue 14).
+"""A battery of damaged files and bad values thrown at every CLI.
 
 Each case runs the command's real entry point (``run_main(main)``: Hydra composition, the ``cli`` wrapper)
 in this process, with the working directory in a fresh temporary folder, and asserts: exit code 2, exactly one

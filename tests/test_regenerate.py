@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -139,16 +138,10 @@ def test_a_cut_off_shard_is_one_error_naming_file_and_line(tmp_path):
         finished_ids(tmp_path)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_endpoint_is_one_error_line(tmp_path):
     import subprocess
+
+    from eval.bench_regen import free_port
     import sys
 
     from conftest import ROOT, write_tiny_chats
@@ -166,41 +159,15 @@ def test_unreachable_endpoint_is_one_error_line(tmp_path):
 @pytest.fixture
 def served_target(tmp_path_factory):
     """``transformers serve`` on loopback with the tiny target (a local folder), stopped at the end."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
     from conftest import write_tiny_target
+    from eval.bench_regen import start_server, stop_server
 
     target = write_tiny_target(tmp_path_factory.mktemp("served") / "target")
-    port = free_port()
-    exe = Path(sys.executable).with_name("transformers")
-    log = open(target.parent / "serve.log", "w")
-    proc = subprocess.Popen([str(exe), "serve", str(target), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-                             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+    proc, api = start_server(str(target), "float32", "cpu", [], target.parent / "serve.log", timeout_s=240)
     try:
-        deadline = time.time() + 240
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"transformers serve did not start: {(target.parent / 'serve.log').read_text()[-2000:]}")
-                time.sleep(1)
-        yield target, f"http://127.0.0.1:{port}/v1"
+        yield target, api
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
+        stop_server(proc)
 
 
 @pytest.mark.slow

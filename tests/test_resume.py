@@ -1,4 +1,4 @@
-"""Issue 14: last.ckpt is the last step, best.ckpt the best; a stopped-and-resumed run equals an uninterrupted one;
+"""last.ckpt is the last step, best.ckpt the best; a stopped-and-resumed run equals an uninterrupted one;
 a run folder is locked by its owner; damaged or foreign checkpoints are refused before anything is written."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14, the unit-sized guards: run-folder lock, leftover sweep, export's out= guard, prompt-length policy,
+"""The unit-sized guards: run-folder lock, leftover sweep, export's out= guard, prompt-length policy,
 blank prompts, optimiser values, and the one-line report of a config that does not compose."""
 from __future__ import annotations
 
