@@ -30,7 +30,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data.errors import UserError, atomic_file, cli, guard_out, instantiate, run_main, sha256
+from data.errors import UserError, atomic_file, cli, guard_out, instantiate, public, run_main, sha256
 
 CACHE_FORMAT = "draftsmith-features/1"
 
@@ -168,7 +168,7 @@ def write_features(target: Any, ds, out_dir: str | Path, batch_size: int = 8, sh
             meta = {"format": CACHE_FORMAT, "identity": json.dumps(ident), "dtype": dtype, "samples": str(len(part))}
             tmp = out / f".{name}.tmp-{os.getpid()}"
             save_file(tensors, str(tmp), metadata=meta)
-            os.replace(tmp, out / name)
+            os.replace(public(tmp), out / name)  # save_file writes 0600: the mode the umask allows
             manifest["shards"].append({"file": name, "samples": len(part), "tokens": offsets[-1],
                                        "bytes": (out / name).stat().st_size, "sha256": sha256(out / name)})
             tokens += offsets[-1]

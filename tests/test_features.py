@@ -45,6 +45,10 @@ def test_cached_states_are_the_targets_own_and_the_cache_knows_its_data(built, t
     manifest = json.loads((tmp_path / "c/train/manifest-r0.json").read_text())
     assert manifest["data"]["max_length"] == dm.max_length and manifest["data"]["split"] == "train"
     assert manifest["world_size"] == 1 and all(s["bytes"] > 0 for s in manifest["shards"])
+    from data.errors import umask
+
+    for shard in (tmp_path / "c/train").glob("shard-*.safetensors"):  # readable by others where the umask allows
+        assert shard.stat().st_mode & 0o777 == 0o666 & ~umask()
 
 
 def test_training_with_other_data_settings_does_not_read_an_old_cache(built, tmp_path):
