@@ -23,7 +23,8 @@ from omegaconf import DictConfig, ListConfig
 
 from data.errors import UserError, cli, guard_out, instantiate, run_main
 
-EVAL_FILES = ("results.json", "results.md", "acceptance.png", ".hydra", "*.log", ".*.tmp*")  # what out_dir holds
+EVAL_FILES = ("results.json", "results.md", "acceptance.png", "journal.jsonl", "logs", "tb", "wandb", ".hydra", "*.log",
+              ".*.tmp*")  # what out_dir holds (logs, tb, wandb: the loggers' folders)
 
 
 def _int(v: Any) -> bool:
@@ -75,7 +76,8 @@ def run(cfg: DictConfig) -> dict:
     template = {"chat_template_kwargs": dict(cfg.chat_template_kwargs)} if cfg.get("chat_template_kwargs") else {}
     protocol = protocol_of(cfg, tok, drafters, dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
                            device=str(target.device), **template)
-    journal = Journal(Path(cfg.out_dir) / "journal.jsonl", protocol, bool(cfg.get("resume", False)))
+    journal = Journal(Path(cfg.out_dir) / "journal.jsonl", protocol, bool(cfg.get("resume", False)),
+                      bool(cfg.get("overwrite", False)))
     results = evaluate(target, tok, drafters, sets, list(cfg.temperatures), cfg.k, cfg.max_new_tokens, cfg.top_p, cfg.seed,
                        tie_ulps=cfg.tie_ulps, prompt_policy=policy, journal=journal,
                        chat_template_kwargs=cfg.get("chat_template_kwargs"))

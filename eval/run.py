@@ -261,19 +261,20 @@ class Journal:
     """``journal.jsonl`` in the output folder: a header with the protocol, then one line per finished prompt (its
     statistics for every drafter). A rerun with ``resume=true`` into the same folder reads it back and decodes only the
     prompts it lacks; a different protocol (drafters, sets, temperatures, k, lengths, seed, target) is refused. A line
-    cut off by the interruption is ignored. The adaptive k of ``k=auto`` starts learning afresh on resume."""
+    cut off by the interruption is ignored. Nothing is written before the first prompt is finished, so a run that
+    fails on its input leaves the folder as it was. The adaptive k of ``k=auto`` starts learning afresh on resume."""
 
-    def __init__(self, path: str | Path, protocol: dict, resume: bool):
+    def __init__(self, path: str | Path, protocol: dict, resume: bool, overwrite: bool = False):
         self.path, self.protocol = Path(path), json.loads(json.dumps(protocol, default=str))
-        if self.path.exists() and not resume:
-            raise UserError(f"{self.path.parent}: holds an evaluation already; resume=true continues it, or choose "
-                            "another out_dir")
-        if not self.path.exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "w", encoding="utf-8") as f:
-                f.write(json.dumps({"protocol": self.protocol}) + "\n")
+        self.resume = resume and self.path.exists()
+        if self.path.exists() and not resume and not overwrite:
+            raise UserError(f"{self.path.parent}: holds an evaluation already; resume=true continues it, "
+                            "overwrite=true starts it again, or choose another out_dir")
+        self.started = self.resume  # else the first finished prompt starts a new journal over any old one
 
     def read(self) -> dict:
+        if not self.resume:
+            return {}
         lines = self.path.read_text(encoding="utf-8").split("\n")
         try:
             head = json.loads(lines[0])["protocol"]
@@ -293,6 +294,11 @@ class Journal:
         return done
 
     def add(self, key: tuple, aggs: dict, auto_k: dict) -> None:
+        if not self.started:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"protocol": self.protocol}) + "\n")
+            self.started = True
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"key": list(key), "aggs": aggs, "auto_k": auto_k}) + "\n")
             f.flush()

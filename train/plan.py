@@ -48,7 +48,8 @@ def meta_models(cfg: Any) -> tuple[Any, Any]:
         taps = cfg.target.get("tap_layers")
         if taps is None:
             taps = default_tap_layers(config.num_hidden_layers, head_cls.tap_method, cfg.get("n_taps", 5))
-        target = FrozenTarget(name_or_path=name, model=model, tap_layers=list(taps), dtype="none", fast_linear=False)
+        target = FrozenTarget(name_or_path=name, model=model, tap_layers=list(taps), dtype="none", fast_linear=False,
+                             device="meta")
         head = instantiate(cfg.draft, target=target)
     return target, head
 
