@@ -122,7 +122,7 @@ def write_features(target: Any, ds, out_dir: str | Path, batch_size: int = 8, sh
                    progress: bool = False) -> dict:
     """Run the frozen target over this rank's share of ``ds`` (rows with ``input_ids``, ``loss_mask``; rank r takes
     rows r, r + world_size, ...) and write its shards, one as soon as it is full. ``data``: the settings that made
-    ``ds`` (recorded in the manifest, checked when training opens the cache). ``progress``: a tqdm bar in tokens
+    ``ds`` (recorded in the manifest, checked when training opens the cache). ``progress``: progress in tokens (:class:`data.progress.Progress`)
     (rate and time left)."""
     from safetensors.torch import save_file
 
@@ -137,11 +137,10 @@ def write_features(target: Any, ds, out_dir: str | Path, batch_size: int = 8, sh
                 "rank": rank, "world_size": world_size, "shards": []}
     device = next(target.parameters()).device
     bar = None
-    if progress:
-        from tqdm import tqdm
+    if progress:  # the one progress display: a bar on a terminal, a line every 30 s on a pipe or in a log
+        from data.progress import Progress
 
-        bar = tqdm(total=_tokens_of(ds, mine), unit="tok", unit_scale=True, desc=f"{out.name} r{rank}/{world_size}",
-                   position=rank, dynamic_ncols=True)
+        bar = Progress(_tokens_of(ds, mine), f"features {out.name} r{rank}/{world_size}", unit="tokens")
     tokens = 0
     try:
         for s in range(0, len(mine), shard_samples):
