@@ -30,10 +30,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _then_exit(rank: int, fn, *args) -> None:
+    """Run one worker, then leave without the interpreter's teardown: gloo's worker threads can still hold work
+    objects at finalization and abort the process (SIGABRT) after the worker has finished and written its report."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(fn, *args) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(fn, args=(2, free_port(), *args), nprocs=2, join=True)
+    mp.spawn(_then_exit, args=(fn, 2, free_port(), *args), nprocs=2, join=True)
 
 
 def init(rank: int, world: int, port: int) -> None:
