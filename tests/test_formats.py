@@ -34,14 +34,16 @@ from models.target import FrozenTarget, default_tap_layers
 LOGIT_ATOL = 1e-4  # speculators vs ours, fp32 on CPU (different attention kernels and RoPE code; measured ~2e-7)
 QK_NORM = "qk_norm" in inspect.signature(DFlashHead.__init__).parameters  # can the DFlash head hold a DFlash layer?
 SMALL = {"eagle3": {"ttt_steps": 3, "draft_vocab_size": 200}, "dflash": {"block_size": 4, "num_layers": 2},
+         "dflash_anchor": {"block_size": 4, "num_layers": 2},
          "dspark": {"block_size": 4, "num_layers": 2, "markov_rank": 16}, "mtp": {"num_modules": 3, "loss_weights": [1.0, 0.6, 0.36], "draft_vocab_size": 200}}
 CONFIG = {"mtp": "mtp_speculators"}  # the draft config each family is exported from (default: conf/draft/<family>.yaml)
 CASES = [("eagle3", "speculators"), ("eagle3", "sglang"), ("dflash", "speculators"), ("dflash", "dflash"),
-         ("dspark", "speculators"), ("mtp", "speculators")]
+         ("dflash_anchor", "speculators"), ("dspark", "speculators"), ("mtp", "speculators")]
+FAMILY = {"dflash_anchor": "dflash"}  # a variant's family (default: the config's name)
 
 
 def exportable(family: str) -> bool:
-    return family in ("eagle3", "mtp") or QK_NORM
+    return FAMILY.get(family, family) in ("eagle3", "mtp") or QK_NORM
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +187,7 @@ def test_export_import_round_trip(family, fmt, target_dir, tmp_path):
         return
     out = export_draft(tmp_path / "draft", fmt, tmp_path / "out")
     cfg = json.loads((out / "config.json").read_text())
-    assert formats.detect_format(out) == fmt and cfg["draftsmith"]["family"] == family
+    assert formats.detect_format(out) == fmt and cfg["draftsmith"]["family"] == FAMILY.get(family, family)
     # the check python -m eval.check_export runs on real drafts: import → same class, taps, weights, logits; export again
     # → same tensors
     ids = batch(target.vocab_size)["input_ids"]
@@ -256,6 +258,18 @@ def test_mtp_layouts_speculators_cannot_hold_are_refused_with_the_option(over, d
         with pytest.raises(UserError, match=f"format={fmt} cannot hold a mtp draft; formats that can: speculators"):
             export_draft(tmp_path / "draft", fmt, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
+
+
+def test_zlab_format_refuses_the_anchor_slot_layout(target_dir, tmp_path):
+    """z-lab's DFlash drafts from a MASK slot after the anchor; a head trained to draft from the anchor's slot would be
+    served one token off, so format=dflash refuses it in one line and format=speculators holds it (sample_from_anchor)."""
+    _, head = make_head("dflash_anchor", target_dir)
+    head.export(tmp_path / "draft")
+    with pytest.raises(UserError, match=r"^format=dflash cannot hold this draft: .*export it with format=speculators$"):
+        export_draft(tmp_path / "draft", "dflash", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
+    out = export_draft(tmp_path / "draft", "speculators", tmp_path / "spec")
+    assert json.loads((out / "config.json").read_text())["sample_from_anchor"] is True
 
 
 def test_unknown_target_asks_for_the_verifier(target_dir, tmp_path):

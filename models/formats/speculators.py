@@ -124,7 +124,7 @@ def _block_export(head: Any, tc: Any, verifier: dict, dtype: str, arch: str, tok
 
 
 def _dflash_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
-    return _block_export(head, tc, verifier, dtype, "DFlashSpeculator", head.block_size - 1, anchor=False)
+    return _block_export(head, tc, verifier, dtype, "DFlashSpeculator", head.max_draft, anchor=head.first_slot == 0)
 
 
 def _dspark_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
@@ -145,7 +145,11 @@ def _block_import(raw: dict, state: dict, target: Any, anchor: bool) -> tuple[di
 
 
 def _dflash_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
-    return _block_import(raw, state, target, anchor=False)
+    anchor = bool(raw.get("sample_from_anchor", False))  # DeepSpec's DFlash baseline: draft.anchor_slot
+    cfg, state = _block_import(raw, state, target, anchor=anchor)
+    if anchor:
+        cfg["init_args"]["anchor_slot"] = True
+    return cfg, state
 
 
 def _dspark_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:

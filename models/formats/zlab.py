@@ -27,6 +27,9 @@ def verifier_of(raw: dict) -> str | None:
 
 def _dflash_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
     require_qk_norm(head, NAME)
+    if head.first_slot == 0:
+        raise UserError("format=dflash cannot hold this draft: z-lab's DFlash predicts the first token from a MASK slot, "
+                        "this one from the anchor slot (draft.anchor_slot); export it with format=speculators")
     d = head_dims(head)
     cfg = {"architectures": ["DFlashDraftModel"], **layer_config("qwen3", d, tc, d["num_hidden_layers"], dtype),
            "block_size": head.block_size, "num_target_layers": int(tc.num_hidden_layers),

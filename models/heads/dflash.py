@@ -10,9 +10,12 @@
   set, packed into one pass; a block sees context rows strictly before its anchor and its own block,
   never another block (:func:`block_mask`). Slot k (1..B−1) is labelled with token a+k, the anchor slot is
   not trained; CE on the data token weighted ``exp(−(k−1)/γ)``.
+- ``anchor_slot=True``: the first draft token is predicted from the anchor's own slot (DeepSpec's DFlash baseline,
+  as DSpark does): slot k (0..B−1) is labelled with token a+1+k, weighted ``exp(−k/γ)``, so a block drafts B tokens.
 - Decoding: the context K/V of committed tokens is cached per layer and extended after each round; one
-  forward per round proposes up to B−1 tokens (the decoder then verifies them like any draft), or a tree at most
-  B−1 deep whose nodes at depth d all take their children from slot d+1 (the block does not see the drafts).
+  forward per round proposes up to B−1 tokens (B with ``anchor_slot``; the decoder then verifies them like any
+  draft), or a tree as deep whose nodes at one depth all take their children from the same slot (the block does not
+  see the drafts).
 Decoding always runs the whole trained block and keeps the first k slots (attention inside a block is
 bidirectional: a shorter block of MASKs is another input). Train with the largest block you decode with.
 """
@@ -75,8 +78,8 @@ def block_targets(ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tenso
     """Slot positions, labels and loss weights of packed blocks, each [B, N, blk].
 
     Slot k of the block anchored at a sits at position a+k and is labelled with token a+k+shift. DFlash
-    (shift 0): the anchor slot is not trained and slot k≥1 weighs ``exp(−(k−1)/γ)``; DSpark (shift 1):
-    every slot predicts the next token, weighing ``exp(−k/γ)``. Only real tokens in the loss mask count."""
+    (shift 0): the anchor slot is not trained and slot k≥1 weighs ``exp(−(k−1)/γ)``; the anchor-slot layout
+    (shift 1: DSpark, DFlash ``anchor_slot``): every slot predicts the next token, weighing ``exp(−k/γ)``. Only real tokens in the loss mask count."""
     Bt, T = ids.shape
     N = anchors.shape[1]
     k = torch.arange(blk, device=ids.device)
@@ -96,9 +99,12 @@ class DFlashHead(DraftHead):
 
     def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 64,
                  gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, anchor_slot: bool = False):
         super().__init__(target, block_size=block_size, num_layers=num_layers, num_anchors=num_anchors, gamma=gamma,
                          mask_token_id=mask_token_id, rms_eps=rms_eps, qk_norm=qk_norm)
+        if anchor_slot:
+            self.init_args["anchor_slot"] = True  # only when set: exports without it load as z-lab's MASK-slot layout
+        self.first_slot = 0 if anchor_slot else 1  # the slot that predicts the pending token's successor
         tc = target.config
         if block_size < 2:
             raise UserError(f"draft.block_size={block_size}: must be >= 2 (the anchor and at least one drafted token)")
@@ -123,11 +129,11 @@ class DFlashHead(DraftHead):
 
     @property
     def num_steps(self) -> int:
-        return self.block_size - 1
+        return self.block_size - self.first_slot
 
     @property
     def max_draft(self) -> int:
-        return self.block_size - 1  # the anchor slot holds the pending token
+        return self.block_size - self.first_slot  # z-lab's anchor slot holds the pending token and predicts nothing
 
     def decoder_layer(self) -> nn.Module:
         return self.layers[0]
@@ -178,16 +184,18 @@ class DFlashHead(DraftHead):
         return self.block_hidden(ids, anchors, torch.ones_like(anchors, dtype=torch.bool), feats.tap_states)[0, 0]
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
-        return self.lm_head(self.anchored_hidden(ids, feats, at))[1: 1 + steps].float()  # slot k: token at+1+k
+        first = self.first_slot  # slot first+j predicts token at+2+j
+        return self.lm_head(self.anchored_hidden(ids, feats, at))[first: first + steps].float()
 
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
         T = ids.shape[1]
         anchors, ok = self.sample_anchors(loss_mask, valid)  # [B, N]
-        pos, labels, w = block_targets(ids, loss_mask, valid, anchors, ok, self.block_size, self.gamma)  # [B, N, blk]
+        shift = 1 - self.first_slot  # slot k is labelled with token a+k+shift
+        pos, labels, w = block_targets(ids, loss_mask, valid, anchors, ok, self.block_size, self.gamma, shift)  # [B, N, blk]
         h = self.block_hidden(ids, anchors, ok, feats.tap_states)  # [B, N, blk, d]
-        before = (pos.clamp(max=T - 1) - 1).clamp(min=0)  # [B, N, blk]: the position that predicts each slot's token
+        before = (pos + shift - 1).clamp(min=0, max=T - 1)  # [B, N, blk]: the position that predicts each slot's token
         rows = (w > 0).nonzero(as_tuple=True)  # the M scored slots: only they are projected onto the vocabulary
         z = self.lm_head(h[rows]).float()  # [M, V]
         b, at = rows[0], before[rows]  # [M] each
@@ -195,11 +203,11 @@ class DFlashHead(DraftHead):
         loss = (ce * w[rows]).sum() / float(max(b.numel(), 1))
         with torch.no_grad():
             t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position
-            slot = rows[2]  # [M]; slot 0 (the anchor) is never scored
+            slot, first = rows[2], self.first_slot  # [M]; without anchor_slot slot 0 is never scored
             blk = w.shape[-1]
             hit = (z.argmax(-1) == t_top[b, at]).float()
-            correct = torch.bincount(slot, weights=hit, minlength=blk)[1:].float()
-            total = torch.bincount(slot, minlength=blk)[1:].float()
+            correct = torch.bincount(slot, weights=hit, minlength=blk)[first:].float()
+            total = torch.bincount(slot, minlength=blk)[first:].float()
         return HeadOutput(loss=loss, correct=correct, total=total)
 
     # -- inference ------------------------------------------------------------------------------
@@ -232,17 +240,17 @@ class DFlashHead(DraftHead):
 
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
-        k = min(k, self.max_draft)
-        logits = self.lm_head(self._full_block(pending)[1: 1 + k])  # [k, V]
+        k, first = min(k, self.max_draft), self.first_slot
+        logits = self.lm_head(self._full_block(pending)[first: first + k])  # [k, V]
         tokens, q = draw(logits, sampler)  # [k], [k, V] or None
         return Proposal(tokens, q)
 
     @torch.no_grad()
     def propose_tree(self, pending: int, tree: TreeSpec, sampler: Sampler) -> Proposal:
-        """A draft tree at most B−1 deep from one block pass: slot d (1..B−1) gives the logits of every node at
-        depth d, so the children of any node at depth d are drawn from slot d+1 (the slots ``propose`` uses)."""
-        tree = self.within_reach(tree)
-        logits = self.lm_head(self._full_block(pending)[1: 1 + tree.depth])  # [depth, V]: slot d at row d−1
+        """A draft tree ``max_draft`` deep from one block pass: the slot that drafts depth d+1 in ``propose`` gives
+        the children of every node at depth d."""
+        tree, first = self.within_reach(tree), self.first_slot
+        logits = self.lm_head(self._full_block(pending)[first: first + tree.depth])  # [depth, V]: depth d+1 at row d
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
             depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth

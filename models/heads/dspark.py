@@ -45,14 +45,7 @@ class DSparkHead(DFlashHead):
         nn.init.zeros_(self.markov_out.weight)
         self.confidence = nn.Linear(d + r, 1)
         self.loss_weights = tuple(loss_weights)
-
-    @property
-    def num_steps(self) -> int:
-        return self.block_size
-
-    @property
-    def max_draft(self) -> int:
-        return self.block_size
+        self.first_slot = 0  # every slot predicts, the anchor's too: a block drafts B tokens
 
     def serving_dims(self) -> dict:
         return super().serving_dims() | {"markov_rank": self.markov_in.embedding_dim}
