@@ -86,6 +86,20 @@ def test_variants_round_trip_through_the_speculators_format(tiny_target_dir, tmp
     torch.testing.assert_close(torch.stack(b), torch.stack(a))
 
 
+def test_sglang_export_refuses_the_variants_its_layer_lacks(tiny_target_dir, tmp_path):
+    """SGLang's EAGLE-3 layer has none of speculators' variants: exporting one there would serve another function."""
+    from models.formats import export_draft
+
+    for over in [{"norm_before_fc": True}, {"norm_output": True}, {"sliding_window": 5}]:
+        _, head = variant_head(tiny_target_dir, **over)
+        draft = head.export(tmp_path / f"draft-{next(iter(over))}")
+        with pytest.raises(UserError, match=rf"^format=sglang cannot hold this eagle3 draft: .*{next(iter(over))}.*format=speculators$"):
+            export_draft(draft, "sglang", tmp_path / "sgl")
+        assert not (tmp_path / "sgl").exists()
+    _, plain = variant_head(tiny_target_dir)
+    assert (export_draft(plain.export(tmp_path / "plain"), "sglang", tmp_path / "sgl") / "config.json").is_file()
+
+
 def test_per_tap_norms_are_refused_with_one_line(tiny_target_dir, tmp_path):
     from models.formats import export_draft, load_draft
 

@@ -29,6 +29,11 @@ def _eagle3_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict
     if d["num_taps"] != 3:
         raise UserError(f"format=sglang cannot hold this eagle3 draft: SGLang's EAGLE-3 fc reads exactly 3 target layers, "
                         f"this draft reads {d['num_taps']} ({head.tap_layers})")
+    variants = [k for k in ("norm_before_fc", "norm_before_residual", "norm_output", "sliding_window")
+                if head.init_args.get(k)]
+    if variants:  # SGLang's LlamaForCausalLMEagle3 has none of them: its layer would compute another function
+        raise UserError(f"format=sglang cannot hold this eagle3 draft: SGLang's EAGLE-3 layer has no {', '.join(variants)} "
+                        "(speculators' variants); export it with format=speculators")
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], **layer_config("llama", d, tc, 1, dtype),
            "draft_vocab_size": d["draft_vocab_size"],
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_layer_ids(head.tap_layers, NAME),
