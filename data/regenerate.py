@@ -336,6 +336,31 @@ def settings_of(cfg: DictConfig) -> dict:
     }
 
 
+def answer_temperature(data_cfg: dict | None) -> float | None:
+    """The temperature a training set's answers were sampled at, where it is known: its data config's ``make:``, else
+    the ``regenerate.json`` of the shards beside a source file (``x.jsonl`` joined from ``x/`` or from its own folder).
+    None: the dataset's own answers, or several sources made at different temperatures."""
+    data_cfg = data_cfg or {}
+    make = data_cfg.get("make") or {}
+    if make.get("temperature") is not None:
+        return float(make["temperature"])
+    src = data_cfg.get("source")
+    temps = set()
+    for s in ([src] if isinstance(src, str) else list(src or [])):
+        p = Path(str(s))
+        if p.suffix != ".jsonl":
+            return None  # a named dataset (sharegpt): its own answers
+        for settings in (p.with_suffix("") / SETTINGS_FILE, p.parent / SETTINGS_FILE):
+            try:
+                temps.add(float(json.loads(settings.read_text(encoding="utf-8"))["temperature"]))
+                break
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        else:
+            return None
+    return temps.pop() if len(temps) == 1 else None
+
+
 def check_settings(out_dir: Path, settings: dict) -> None:
     """Record ``settings`` in ``out_dir/regenerate.json``; where shards are already there, refuse a run whose settings
     differ from the recorded ones (with no shard yet, the new settings replace them)."""

@@ -62,7 +62,7 @@ def check_eval_config(cfg: Any) -> None:
 def run(cfg: DictConfig) -> dict:
     check_eval_config(cfg)
     guard_out(cfg.out_dir, "out_dir", EVAL_FILES, overwrite=bool(cfg.get("overwrite")), what="an evaluation of ours")
-    from eval.decoding.drafters import build_drafter
+    from eval.decoding.drafters import build_drafter, temperature_notes
     from eval.run import Journal, build_sets, count_defects, evaluate, log_results, protocol_of, write_report
     from models.target import load_tokenizer
     target = instantiate(cfg.target, device=cfg.get("device", "auto"))  # auto: a GPU when one is visible
@@ -70,6 +70,8 @@ def run(cfg: DictConfig) -> dict:
     from eval.sets import PromptLengthPolicy
 
     drafters = {name: build_drafter(node, target, name) for name, node in (cfg.drafters or {}).items() if node is not None}
+    for note in temperature_notes(drafters, list(cfg.temperatures)):
+        print(note, file=sys.stderr)
     policy = PromptLengthPolicy(cfg.get("max_prompt_tokens"), getattr(target.config, "max_position_embeddings", None),
                                 cfg.max_new_tokens, max([draft_room(d, cfg.k) for d in drafters.values()] or [draft_room(None, cfg.k)]))
     sets = build_sets(cfg)

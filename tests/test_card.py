@@ -105,3 +105,24 @@ def test_export_and_ship_write_a_card(tmp_path):
     again = subprocess.run([sys.executable, "-m", "train.export", f"src={tmp_path / 'run'}", "format=speculators"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_the_answer_temperature_reaches_the_card_and_eval_notes_another(tmp_path):
+    """A head trained on greedy answers: its card says it is for T=0, and ``python -m eval`` at T=0 and T=1 notes T=1
+    only; a head trained on a named dataset's own answers gets no note."""
+    from eval.decoding.drafters import load_head, temperature_notes
+
+    target_dir = write_tiny_target(tmp_path / "target", layers=6)
+    target, head = make_head("dflash", target_dir)
+    greedy = {"data": {"source": "runs/x/train.jsonl", "make": {"temperature": 0, "file": "runs/x/train.jsonl"}}}
+    head.export(tmp_path / "greedy", train_config=greedy)
+    head.export(tmp_path / "sharegpt", train_config={"data": {"source": "sharegpt"}})
+    text = card_text(tmp_path / "greedy", folder_facts(tmp_path / "greedy"), run_facts(tmp_path / "greedy"))
+    assert "greedy (T=0); the head is for decoding at T=0" in text
+    assert "sampled at" not in card_text(tmp_path / "sharegpt", folder_facts(tmp_path / "sharegpt"),
+                                         run_facts(tmp_path / "sharegpt"))
+    heads = {"g": load_head(str(tmp_path / "greedy"), target), "s": load_head(str(tmp_path / "sharegpt"), target)}
+    assert heads["g"].answer_temperature == 0.0 and heads["s"].answer_temperature is None
+    assert temperature_notes(heads, [0.0, 1.0]) == [
+        "note: drafters.g was trained on answers sampled at T=0; at T=1 it drafts for text its data did not cover"]
+    assert temperature_notes(heads, [0.0]) == []

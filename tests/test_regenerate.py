@@ -230,3 +230,19 @@ def test_settings_become_overrides_hydra_reads_back():
     assert over == ["target.name_or_path=x", "chat_template_kwargs={enable_thinking:false}", "max_turns=null"]
     cfg = compose_regen(over)
     assert cfg.chat_template_kwargs == {"enable_thinking": False} and cfg.max_turns is None
+
+
+def test_answer_temperature_from_make_or_the_shards_settings(tmp_path):
+    from data.regenerate import SETTINGS_FILE, answer_temperature
+
+    assert answer_temperature({"source": "x.jsonl", "make": {"temperature": 0.7}}) == 0.7
+    assert answer_temperature({"source": "sharegpt"}) is None  # the dataset's own answers
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / SETTINGS_FILE).write_text(json.dumps({"temperature": 0.0}))  # a.jsonl joined from a/
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / SETTINGS_FILE).write_text(json.dumps({"temperature": 1.0}))
+    (tmp_path / "b" / "shard-00000000.jsonl").write_text("")  # a shard read as the source: its folder's settings
+    assert answer_temperature({"source": str(tmp_path / "a.jsonl")}) == 0.0
+    assert answer_temperature({"source": str(tmp_path / "b" / "shard-00000000.jsonl")}) == 1.0
+    assert answer_temperature({"source": [str(tmp_path / "a.jsonl"), str(tmp_path / "b" / "shard-00000000.jsonl")]}) is None
+    assert answer_temperature({"source": str(tmp_path / "unknown.jsonl")}) is None

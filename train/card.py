@@ -20,6 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 from data.errors import UserError, atomic_file, cli, run_main
+from data.regenerate import answer_temperature
 
 FAMILY_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1", "mtp": "MTP", "medusa": "Medusa", "dflash": "DFlash",
                 "dspark": "DSpark"}
@@ -153,6 +154,10 @@ def card_text(folder: Path, facts: dict, run: dict, evaluation: dict | None = No
     source = run.get("data_source") or data.get("source")
     if source:
         out.append(f"- data: `{source}` ({data.get('features', 'online')} features)")
+    temp = answer_temperature(data) if tc else None
+    if temp is not None:
+        out.append(f"- answers: the target's own, {'greedy (T=0)' if temp == 0 else f'sampled at T={temp:g}'}; "
+                   f"the head is for decoding at T={temp:g} (`python -m eval` notes any other temperature)")
     for split, f in (run.get("features") or {}).items():
         out.append(f"- {split} features: {f.get('samples', 0):,} conversations, {f.get('tokens', 0):,} tokens")
     out += ["", "## Training", ""]

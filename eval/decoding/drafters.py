@@ -62,6 +62,7 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
     if linear_dtype not in ("float32", "bfloat16", "auto"):
         raise UserError(f"linear_dtype={linear_dtype}: float32, bfloat16 or auto")
     head = load_draft(path, target).eval()
+    head.answer_temperature = trained_temperature(path)
     for key, value in (decode or {}).items():
         if key not in head.decode_settings:
             raise UserError(f"decode.{key}: not a decoding setting of {type(head).__name__} "
@@ -80,6 +81,32 @@ def load_head(path: str, target: Any, linear_dtype: str = "auto", decode: dict |
         else:
             pack_linears(head, DTYPES[linear_dtype])
     return head
+
+
+def trained_temperature(path: str) -> float | None:
+    """The temperature of the answers a draft folder's head was trained on (its ``train_config.json``), if known."""
+    from data.errors import read_json
+    from data.regenerate import answer_temperature
+
+    tc = Path(shipped(path)) / "train_config.json"
+    try:
+        return answer_temperature((read_json(tc) or {}).get("data")) if tc.is_file() else None
+    except UserError:
+        return None  # unreadable: the head still loads; nothing to warn about
+
+
+def temperature_notes(drafters: dict[str, Any], temperatures: list[float]) -> list[str]:
+    """One note per head evaluated at a temperature other than the one its training answers were sampled at: a head
+    trained on greedy answers meets sampled text at T>0 (on the embedded target 15 minutes of DFlash, DSpark or the
+    floor on greedy answers drafted 1.3–1.9× further at T=0 and 0.73–0.83× as far at T=1: conf/data/embedded_regen.yaml)."""
+    notes = []
+    for name, d in drafters.items():
+        t_data = getattr(getattr(d, "head", d), "answer_temperature", None)
+        other = [t for t in temperatures if t_data is not None and abs(float(t) - t_data) > 1e-6]
+        if other:
+            notes.append(f"note: drafters.{name} was trained on answers sampled at T={t_data:g}; at T="
+                         f"{', '.join(f'{t:g}' for t in other)} it drafts for text its data did not cover")
+    return notes
 
 
 def load_head_with_lookup(path: str, target: Any, lookup_k: int = 8, max_ngram: int = 3, min_ngram: int = 2,
