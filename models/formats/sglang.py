@@ -8,6 +8,7 @@ from typing import Any
 from data.errors import UserError
 from models.formats.common import eagle3_finish, head_dims, layer_config, rename_in, renamed
 from models.formats.layer_ids import engine_layer_ids, our_layer_ids
+from models.heads.eagle3 import VARIANTS
 
 NAME = "sglang"
 
@@ -29,8 +30,7 @@ def _eagle3_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict
     if d["num_taps"] != 3:
         raise UserError(f"format=sglang cannot hold this eagle3 draft: SGLang's EAGLE-3 fc reads exactly 3 target layers, "
                         f"this draft reads {d['num_taps']} ({head.tap_layers})")
-    variants = [k for k in ("norm_before_fc", "norm_before_residual", "norm_output", "sliding_window")
-                if head.init_args.get(k)]
+    variants = [k for k in VARIANTS if head.init_args.get(k)]
     if variants:  # SGLang's LlamaForCausalLMEagle3 has none of them: its layer would compute another function
         raise UserError(f"format=sglang cannot hold this eagle3 draft: SGLang's EAGLE-3 layer has no {', '.join(variants)} "
                         "(speculators' variants); export it with format=speculators")

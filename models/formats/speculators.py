@@ -21,6 +21,7 @@ from data.errors import UserError
 from models.formats.common import (block_body, block_finish, eagle3_finish, head_dims, layer_config, layer_config_of, need,
                                    base_config, head_class, arch_expect, rename_in, renamed, require_qk_norm)
 from models.formats.layer_ids import engine_layer_ids, our_layer_ids
+from models.heads.eagle3 import VARIANTS
 
 NAME = "speculators"
 VERSION = "0.9.0"  # the speculators release whose model classes define the names used here
@@ -89,7 +90,7 @@ def _eagle3_import(raw: dict, state: dict, target: Any) -> tuple[dict, dict]:
     if "sliding_window" in variants:  # read above: the rest of the layer config is checked as a full-attention one
         c = {k: v for k, v in c.items() if k not in ("layer_types", "sliding_window", "use_sliding_window")}
     cfg, state = eagle3_finish(plain, c, where, state, target, taps, _speculative_tokens(raw))
-    for k in ("norm_before_fc", "norm_before_residual", "norm_output", "sliding_window"):
+    for k in VARIANTS:
         cfg["init_args"].pop(k, None)  # what the checkpoint says, not what a recorded config said
     cfg["init_args"].update(variants)
     return cfg, state
@@ -112,23 +113,25 @@ def _eagle3_variants(raw: dict, c: dict, where: str) -> dict:
 
 
 # -- DFlash / DSpark ----------------------------------------------------------------------------------------
-def _block_export(head: Any, tc: Any, verifier: dict, dtype: str, arch: str, tokens: int, anchor: bool) -> tuple[dict, dict]:
+def _block_export(head: Any, tc: Any, verifier: dict, dtype: str, arch: str) -> tuple[dict, dict]:
+    """Shared by DFlash and DSpark: a block drafts ``max_draft`` tokens, from the anchor's slot on when
+    ``first_slot`` is 0 (speculators' ``sample_from_anchor``)."""
     require_qk_norm(head, NAME)
     d = head_dims(head)
-    cfg = _envelope(head.family, arch, tokens, verifier)
+    cfg = _envelope(head.family, arch, head.max_draft, verifier)
     cfg.update(transformer_layer_config=layer_config("qwen3", d, tc, d["num_hidden_layers"], dtype),
                draft_vocab_size=d["vocab_size"], block_size=head.block_size, target_hidden_size=None,
                aux_hidden_state_layer_ids=engine_layer_ids(head.tap_layers, NAME),
-               mask_token_id=head.mask_token_id, sliding_window_non_causal=False, sample_from_anchor=anchor)
+               mask_token_id=head.mask_token_id, sliding_window_non_causal=False, sample_from_anchor=head.first_slot == 0)
     return cfg, renamed(head.state_dict(), lambda k: DSPARK_NAMES.get(k, block_body(k)))
 
 
 def _dflash_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
-    return _block_export(head, tc, verifier, dtype, "DFlashSpeculator", head.max_draft, anchor=head.first_slot == 0)
+    return _block_export(head, tc, verifier, dtype, "DFlashSpeculator")
 
 
 def _dspark_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
-    cfg, state = _block_export(head, tc, verifier, dtype, "DSparkSpeculator", head.block_size, anchor=True)
+    cfg, state = _block_export(head, tc, verifier, dtype, "DSparkSpeculator")
     cfg.update(markov_rank=head_dims(head)["markov_rank"], markov_head_type="vanilla", enable_confidence_head=True,
                confidence_head_with_markov=True)
     return cfg, state

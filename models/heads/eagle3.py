@@ -53,6 +53,9 @@ def step_weights(loss_mask: torch.Tensor, in_vocab: torch.Tensor, valid: torch.T
     return (shift_left(loss_mask, 2 + j) * shift_left(in_vocab.long(), 1 + j) * shift_left(valid, 2 + j)).float()
 
 
+VARIANTS = ("norm_before_fc", "norm_before_residual", "norm_output", "sliding_window")  # speculators' options (docstring)
+
+
 class Eagle3MidLayer(nn.Module):
     def __init__(self, d: int, n_heads: int, n_kv: int, head_dim: int, d_ff: int, eps: float):
         super().__init__()
