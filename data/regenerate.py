@@ -388,8 +388,15 @@ def check_settings(out_dir: Path, settings: dict) -> None:
 @hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
 @cli
 def main(cfg: DictConfig) -> None:
-    guard_out(cfg.out_dir, "out_dir", ("shard-*.jsonl", ".shard-*"), overwrite=bool(cfg.get("overwrite")), what="regenerated shards of ours")
+    guard_regen_out(cfg)
     run(cfg)
+
+
+def guard_regen_out(cfg: DictConfig) -> Path:
+    """``out_dir`` refused before any work unless it is empty or holds only what a regeneration writes (its shards and
+    settings file: a stopped run resumes there)."""
+    return guard_out(cfg.out_dir, "out_dir", ("shard-*.jsonl", ".shard-*", SETTINGS_FILE),
+                     overwrite=bool(cfg.get("overwrite")), what="regenerated shards of ours")
 
 
 class ConversationProgress:

@@ -35,11 +35,12 @@ LOGIT_ATOL = 1e-4  # speculators vs ours, fp32 on CPU (different attention kerne
 QK_NORM = "qk_norm" in inspect.signature(DFlashHead.__init__).parameters  # can the DFlash head hold a DFlash layer?
 SMALL = {"eagle3": {"ttt_steps": 3, "draft_vocab_size": 200}, "dflash": {"block_size": 4, "num_layers": 2},
          "dflash_anchor": {"block_size": 4, "num_layers": 2},
-         "dspark": {"block_size": 4, "num_layers": 2, "markov_rank": 16}, "mtp": {"num_modules": 3, "loss_weights": [1.0, 0.6, 0.36], "draft_vocab_size": 200}}
-CONFIG = {"mtp": "mtp_speculators"}  # the draft config each family is exported from (default: conf/draft/<family>.yaml)
+         "dspark": {"block_size": 4, "num_layers": 2, "markov_rank": 16},
+         "dspark_vocab": {"block_size": 4, "num_layers": 2, "markov_rank": 16, "draft_vocab_size": 200}, "mtp": {"num_modules": 3, "loss_weights": [1.0, 0.6, 0.36], "draft_vocab_size": 200}}
+CONFIG = {"mtp": "mtp_speculators", "dspark_vocab": "dspark"}  # the draft config each family is exported from (default: conf/draft/<family>.yaml)
 CASES = [("eagle3", "speculators"), ("eagle3", "sglang"), ("dflash", "speculators"), ("dflash", "dflash"),
-         ("dflash_anchor", "speculators"), ("dspark", "speculators"), ("mtp", "speculators")]
-FAMILY = {"dflash_anchor": "dflash"}  # a variant's family (default: the config's name)
+         ("dflash_anchor", "speculators"), ("dspark", "speculators"), ("dspark_vocab", "speculators"), ("mtp", "speculators")]
+FAMILY = {"dflash_anchor": "dflash", "dspark_vocab": "dspark"}  # a variant's family (default: the config's name)
 
 
 def exportable(family: str) -> bool:
@@ -51,9 +52,9 @@ def target_dir(tmp_path_factory) -> Path:
     return write_tiny_target(tmp_path_factory.mktemp("target6"), layers=6)
 
 
-def make_head(family: str, target_dir: Path, seed: int = 0):
+def make_head(family: str, target_dir: Path, seed: int = 0, **over):
     """A head of ``family`` on the tiny target with every trainable weight random (zero-initialised parts too)."""
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "draft" / f"{CONFIG.get(family, family)}.yaml"), SMALL[family])
+    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "draft" / f"{CONFIG.get(family, family)}.yaml"), SMALL[family], over)
     cls = hydra.utils.get_class(cfg._target_)
     target = FrozenTarget(str(target_dir))
     target.set_tap_layers(default_tap_layers(target.num_layers, cls.tap_method))
@@ -270,6 +271,19 @@ def test_zlab_format_refuses_the_anchor_slot_layout(target_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
     out = export_draft(tmp_path / "draft", "speculators", tmp_path / "spec")
     assert json.loads((out / "config.json").read_text())["sample_from_anchor"] is True
+
+
+def test_zlab_format_refuses_a_draft_vocabulary(target_dir, tmp_path):
+    """z-lab's DFlash drafts from the target's full head; a head trained on fewer rows is refused in one line, no output
+    (format=speculators holds it: its d2t/t2d and the rows as lm_head)."""
+    _, head = make_head("dflash", target_dir, draft_vocab_size=64)
+    head.export(tmp_path / "draft")
+    with pytest.raises(UserError, match=r"^format=dflash here writes dflash drafts over the target's full "
+                                        r"vocabulary, .* 64 draft tokens .*draft.draft_vocab_size=null to export it$"):
+        export_draft(tmp_path / "draft", "dflash", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]
+    out = export_draft(tmp_path / "draft", "speculators", tmp_path / "spec")
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 64
 
 
 def test_unknown_target_asks_for_the_verifier(target_dir, tmp_path):

@@ -105,13 +105,18 @@ def test_rerun_after_a_deleted_shard_never_writes_over_another(tmp_path, tiny_ta
 
     from conftest import write_tiny_chats
     from data.errors import UserError
-    from data.regenerate import run
+    from data.regenerate import guard_regen_out, run
 
     chats = write_tiny_chats(tmp_path / "chats.jsonl", n=6)
     out = tmp_path / "regen"
     run(compose_regen(regen_overrides(tiny_target_dir, chats, out)))
     before = read_shards(out)
     assert len(before) == 3 and json.loads((out / "regenerate.json").read_text())["temperature"] == 0.0
+    assert guard_regen_out(compose_regen(regen_overrides(tiny_target_dir, chats, out))) == out  # the CLI resumes here
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"out_dir=.*regen: exists and is not regenerated shards of ours"):
+        guard_regen_out(compose_regen(regen_overrides(tiny_target_dir, chats, out)))
+    (out / "notes.txt").unlink()
     middle = sorted(before)[1]
     (out / middle).unlink()
     run(compose_regen(regen_overrides(tiny_target_dir, chats, out)))

@@ -48,6 +48,14 @@ def require_qk_norm(head: Any, fmt: str) -> None:
                         f"z-lab applies; train it with q/k-normed DFlash layers")
 
 
+def require_full_vocab(head: Any, fmt: str) -> None:
+    """Block drafters are written over the target's full head; one trained on a draft vocabulary is refused."""
+    if getattr(head, "draft_vocab_size", None):
+        raise UserError(f"format={fmt} here writes {head.family} drafts over the target's full vocabulary, and this one "
+                        f"was trained on {head.draft_vocab_size} draft tokens (draft.draft_vocab_size); train it with "
+                        f"draft.draft_vocab_size=null to export it")
+
+
 # -- writing ----------------------------------------------------------------------------------------
 def layer_config(model_type: str, dims: dict, tc: Any, num_layers: int, dtype: str) -> dict:
     """A Llama/Qwen3 decoder config for the draft's own layers (explicit, so no reader falls back to a default)."""
@@ -179,13 +187,7 @@ def eagle3_finish(raw: dict, c: dict, where: str, state: dict, target: Any, taps
         state["lm_head.weight"] = target.lm_head().weight.detach().float()
     if "d2t" not in state and "t2d" not in state and Vd == V:
         state["d2t"], state["t2d"] = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
-    for name in ("d2t", "t2d"):
-        if name not in state:
-            raise UserError(f"model.safetensors: missing {name!r} (draft_vocab_size={Vd} < vocab_size={V} needs the vocabulary map)")
-    if int(state["t2d"].bool().sum()) != Vd:
-        raise UserError(f"model.safetensors: t2d marks {int(state['t2d'].bool().sum())} tokens, draft_vocab_size is {Vd}")
-    state["t2d"] = state["t2d"].bool()
-    state["d2t"] = state["d2t"].long()
+    vocab_map(state, Vd, V)
     cfg = base_config(raw.get("draftsmith") or {}, "eagle3")
     if k is not None or "ttt_steps" not in cfg["init_args"]:
         cfg["init_args"]["ttt_steps"] = k or 7
@@ -196,14 +198,23 @@ def eagle3_finish(raw: dict, c: dict, where: str, state: dict, target: Any, taps
     return cfg | {"family": "eagle3", "tap_layers": taps, "expect": expect, "where": where}, state
 
 
+def vocab_map(state: dict, Vd: int, V: int) -> None:
+    """The draft vocabulary's ``d2t``/``t2d`` in ``state`` checked against ``draft_vocab_size`` and typed as ours."""
+    for name in ("d2t", "t2d"):
+        if name not in state:
+            raise UserError(f"model.safetensors: missing {name!r} (draft_vocab_size={Vd} < vocab_size={V} needs the vocabulary map)")
+    if int(state["t2d"].bool().sum()) != Vd:
+        raise UserError(f"model.safetensors: t2d marks {int(state['t2d'].bool().sum())} tokens, draft_vocab_size is {Vd}")
+    state["t2d"] = state["t2d"].bool()
+    state["d2t"] = state["d2t"].long()
+
+
 def block_finish(raw: dict, c: dict, where: str, state: dict, target: Any, family: str, taps: list[int], block: int,
                  mask_id: int) -> tuple[dict, dict]:
     """DFlash/DSpark from an engine's layer config ``c`` (at ``where``), tensors in our names, taps, block, MASK id."""
     expect = arch_expect(c, where)
     V = int(need(c, "vocab_size", where))
-    if int(raw.get("draft_vocab_size") or V) != V:
-        raise UserError(f"config.draft_vocab_size={raw['draft_vocab_size']}: the {family} head here predicts over the "
-                        f"full target vocabulary ({V})")
+    Vd = int(raw.get("draft_vocab_size") or V)
     cfg = base_config(raw.get("draftsmith") or {}, family)
     cfg["init_args"].update(block_size=block, num_layers=int(need(c, "num_hidden_layers", where)), mask_token_id=int(mask_id),
                             rms_eps=expect["rms_norm_eps"])
@@ -212,8 +223,16 @@ def block_finish(raw: dict, c: dict, where: str, state: dict, target: Any, famil
             raise UserError(f"this {family} checkpoint's layers apply per-head q/k RMSNorm (layers.N.self_attn.q_norm), "
                             f"which the {family} head here ({cfg['class']}) does not have")
         cfg["init_args"]["qk_norm"] = True
-    for k in [k for k in state if k.startswith(("verifier_", "t2d", "d2t"))]:
+    for k in [k for k in state if k.startswith(("verifier_",) if Vd < V else ("verifier_", "t2d", "d2t"))]:
         del state[k]  # speculators' verifier copies (rebuilt from the target by every reader)
+    if Vd < V:  # a draft vocabulary: its head rows are the target's (reselected on load), d2t/t2d say which
+        vocab_map(state, Vd, V)
+        state["draft_head.weight"] = state.pop("lm_head.weight", None)
+        if state["draft_head.weight"] is None:
+            raise UserError(f"model.safetensors: missing 'lm_head.weight' (draft_vocab_size={Vd} < vocab_size={V} "
+                            "needs the draft vocabulary's head rows)")
+        cfg["init_args"]["draft_vocab_size"] = Vd
+        expect["draft_vocab_size"] = Vd
     state.setdefault("embed_tokens.weight", target.embed_tokens().weight.detach().float())
     state.setdefault("lm_head.weight", target.lm_head().weight.detach().float())
     expect.update(vocab_size=V, num_hidden_layers=cfg["init_args"]["num_layers"])

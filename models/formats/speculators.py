@@ -115,15 +115,16 @@ def _eagle3_variants(raw: dict, c: dict, where: str) -> dict:
 # -- DFlash / DSpark ----------------------------------------------------------------------------------------
 def _block_export(head: Any, tc: Any, verifier: dict, dtype: str, arch: str) -> tuple[dict, dict]:
     """Shared by DFlash and DSpark: a block drafts ``max_draft`` tokens, from the anchor's slot on when
-    ``first_slot`` is 0 (speculators' ``sample_from_anchor``)."""
+    ``first_slot`` is 0 (speculators' ``sample_from_anchor``), over the draft vocabulary where there is one."""
     require_qk_norm(head, NAME)
     d = head_dims(head)
     cfg = _envelope(head.family, arch, head.max_draft, verifier)
     cfg.update(transformer_layer_config=layer_config("qwen3", d, tc, d["num_hidden_layers"], dtype),
-               draft_vocab_size=d["vocab_size"], block_size=head.block_size, target_hidden_size=None,
+               draft_vocab_size=head.draft_vocab_size or d["vocab_size"], block_size=head.block_size, target_hidden_size=None,
                aux_hidden_state_layer_ids=engine_layer_ids(head.tap_layers, NAME),
                mask_token_id=head.mask_token_id, sliding_window_non_causal=False, sample_from_anchor=head.first_slot == 0)
-    return cfg, renamed(head.state_dict(), lambda k: DSPARK_NAMES.get(k, block_body(k)))
+    # a draft vocabulary: its head rows serialised as lm_head (speculators cannot derive them), beside d2t/t2d
+    return cfg, renamed(head.state_dict(), lambda k: "lm_head.weight" if k == "draft_head.weight" else DSPARK_NAMES.get(k, block_body(k)))
 
 
 def _dflash_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from data.errors import UserError
-from models.formats.common import block_body, block_finish, head_dims, layer_config, need, rename_in, renamed, require_qk_norm
+from models.formats.common import (block_body, block_finish, head_dims, layer_config, need, rename_in, renamed,
+                                   require_full_vocab, require_qk_norm)
 from models.formats.layer_ids import engine_layer_ids, our_layer_ids
 
 NAME = "dflash"
@@ -27,6 +28,7 @@ def verifier_of(raw: dict) -> str | None:
 
 def _dflash_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict, dict]:
     require_qk_norm(head, NAME)
+    require_full_vocab(head, NAME)
     if head.first_slot == 0:
         raise UserError("format=dflash cannot hold this draft: z-lab's DFlash predicts the first token from a MASK slot, "
                         "this one from the anchor slot (draft.anchor_slot); export it with format=speculators")

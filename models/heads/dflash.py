@@ -10,6 +10,9 @@
   set, packed into one pass; a block sees context rows strictly before its anchor and its own block,
   never another block (:func:`block_mask`). Slot k (1..B−1) is labelled with token a+k, the anchor slot is
   not trained; CE on the data token weighted ``exp(−(k−1)/γ)``.
+- ``draft_vocab_size``: the drafted tokens come from the most frequent training tokens only (``d2t``/``t2d`` as
+  EAGLE-3's, :class:`models.heads.vocab.FrozenRows`): the loss and decoding read those rows of the frozen head (a
+  slot whose label is outside them is not scored), so a training step projects onto Vd rows instead of V.
 - ``anchor_slot=True``: the first draft token is predicted from the anchor's own slot (DeepSpec's DFlash baseline,
   as DSpark does): slot k (0..B−1) is labelled with token a+1+k, weighted ``exp(−k/γ)``, so a block drafts B tokens.
 - Decoding: the context K/V of committed tokens is cached per layer and extended after each round; one
@@ -29,8 +32,9 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.heads.drafting import Proposal, Sampler, draw
+from models.heads.drafting import Proposal, Sampler
 from models.heads.trees import TreeSpec, grow_tree, node_depths
+from models.heads.vocab import FrozenRows
 from models.layers import (MLP, Attention, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm, frozen_embedding, frozen_linear,
                            row_ce)
 from models.target import rope_theta
@@ -92,18 +96,20 @@ def block_targets(ids: torch.Tensor, loss_mask: torch.Tensor, valid: torch.Tenso
     return pos, labels, w
 
 
-class DFlashHead(DraftHead):
+class DFlashHead(FrozenRows, DraftHead):
     family = "dflash"
     tap_method = "dflash"
     needs_teacher_logits = True  # accuracy against the target's own top-1
 
     def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 64,
                  gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,
-                 qk_norm: bool = False, anchor_slot: bool = False):
+                 qk_norm: bool = False, anchor_slot: bool = False, draft_vocab_size: int | None = None):
         super().__init__(target, block_size=block_size, num_layers=num_layers, num_anchors=num_anchors, gamma=gamma,
                          mask_token_id=mask_token_id, rms_eps=rms_eps, qk_norm=qk_norm)
         if anchor_slot:
             self.init_args["anchor_slot"] = True  # only when set: exports without it load as z-lab's MASK-slot layout
+        if draft_vocab_size is not None:
+            self.init_args["draft_vocab_size"] = draft_vocab_size
         self.first_slot = 0 if anchor_slot else 1  # the slot that predicts the pending token's successor
         tc = target.config
         if block_size < 2:
@@ -126,6 +132,7 @@ class DFlashHead(DraftHead):
         self.rotary = Rotary(head_dim, rope_theta(tc))
         self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
         self.lm_head = frozen_linear(target.lm_head().weight)              # d → V
+        self.init_draft_rows(draft_vocab_size)  # draft_head: the frozen head's rows of the draft vocabulary
 
     @property
     def num_steps(self) -> int:
@@ -185,7 +192,7 @@ class DFlashHead(DraftHead):
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
         first = self.first_slot  # slot first+j predicts token at+2+j
-        return self.lm_head(self.anchored_hidden(ids, feats, at))[first: first + steps].float()
+        return self.on_draft_vocab(self.lm_head(self.anchored_hidden(ids, feats, at))[first: first + steps].float())
 
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
@@ -197,18 +204,30 @@ class DFlashHead(DraftHead):
         h = self.block_hidden(ids, anchors, ok, feats.tap_states)  # [B, N, blk, d]
         before = (pos + shift - 1).clamp(min=0, max=T - 1)  # [B, N, blk]: the position that predicts each slot's token
         rows = (w > 0).nonzero(as_tuple=True)  # the M scored slots: only they are projected onto the vocabulary
-        z = self.lm_head(h[rows]).float()  # [M, V]
+        z = self.rows_logits(h[rows]).float()  # [M, Vd] (or [M, V])
         b, at = rows[0], before[rows]  # [M] each
-        ce = row_ce(z, labels=labels[rows])  # [M]
-        loss = (ce * w[rows]).sum() / float(max(b.numel(), 1))
+        lab, keep = self.draft_labels(labels[rows])  # [M] columns of z; keep: the label is draftable
+        ce = row_ce(z, labels=lab)  # [M]
+        loss = (ce * w[rows] * keep).sum() / float(max(b.numel(), 1))
         with torch.no_grad():
             t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position
             slot, first = rows[2], self.first_slot  # [M]; without anchor_slot slot 0 is never scored
             blk = w.shape[-1]
-            hit = (z.argmax(-1) == t_top[b, at]).float()
+            hit = (self.column_ids(z.argmax(-1)) == t_top[b, at]).float()
             correct = torch.bincount(slot, weights=hit, minlength=blk)[first:].float()
             total = torch.bincount(slot, minlength=blk)[first:].float()
         return HeadOutput(loss=loss, correct=correct, total=total)
+
+    def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids [M] → (their columns of the draft logits [M], bool [M]: inside the draft vocabulary)."""
+        if not self.draft_vocab_size:
+            return labels, torch.ones_like(labels, dtype=torch.bool)
+        col = self.t2i[labels]
+        return col.clamp(min=0), col >= 0
+
+    def column_ids(self, cols: torch.Tensor) -> torch.Tensor:
+        """Columns of the draft logits → target ids."""
+        return self.draft_ids()[cols] if self.draft_vocab_size else cols
 
     # -- inference ------------------------------------------------------------------------------
     def _extend(self, taps: torch.Tensor) -> None:
@@ -222,6 +241,7 @@ class DFlashHead(DraftHead):
 
     @torch.no_grad()
     def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
+        self.reselect_if_stale()
         self._kv, self._n = [KVBuffer() for _ in self.layers], 0  # each layer's context keys/values
         self._extend(feats.tap_states)
 
@@ -241,8 +261,8 @@ class DFlashHead(DraftHead):
     @torch.no_grad()
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         k, first = min(k, self.max_draft), self.first_slot
-        logits = self.lm_head(self._full_block(pending)[first: first + k])  # [k, V]
-        tokens, q = draw(logits, sampler)  # [k], [k, V] or None
+        logits = self.rows_logits(self._full_block(pending)[first: first + k])  # [k, Vd or V]
+        tokens, q = self.draw_rows(logits, sampler)  # [k] target ids, [k, V] or None
         return Proposal(tokens, q)
 
     @torch.no_grad()
@@ -250,10 +270,10 @@ class DFlashHead(DraftHead):
         """A draft tree ``max_draft`` deep from one block pass: the slot that drafts depth d+1 in ``propose`` gives
         the children of every node at depth d."""
         tree, first = self.within_reach(tree), self.first_slot
-        logits = self.lm_head(self._full_block(pending)[first: first + tree.depth])  # [depth, V]: depth d+1 at row d
+        logits = self.rows_logits(self._full_block(pending)[first: first + tree.depth])  # [depth, Vd or V]: depth d+1 at row d
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
             depth = int(node_depths(parents)[nodes[0]])  # all nodes of a call share one depth
-            return logits[depth].expand(len(nodes), -1)  # [len(nodes), V]
+            return logits[depth].expand(len(nodes), -1)  # [len(nodes), Vd or V]
 
-        return grow_tree(logits[0], expand, tree, sampler)
+        return grow_tree(logits[0], expand, tree, sampler, vocab=self.vocab())

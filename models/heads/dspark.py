@@ -11,6 +11,8 @@
   set and temperature and ran slower in five of six (embedded target, 2-core Intel Xeon, 2026-12-01).
 - Trees (:meth:`DSparkHead.propose_tree`): slot d−1 with the Markov term of the node's own token gives the
   children of a node at depth d−1; trees stop by ``tree.min_prob`` on the draft's path probability.
+- ``draft_vocab_size`` (:class:`models.heads.dflash.DFlashHead`'s): the head reads the draft vocabulary's rows only
+  and W2 projects onto them (as speculators' DSpark); TV counts the target's mass outside it whole (the draft has none there), which is exact.
 - Loss ``0.1·CE + 0.9·TV + 1.0·conf`` per slot, weighted ``exp(−k/γ)``; TV and the confidence target need
   the target's distribution (from its last hidden state through its head).
 """
@@ -23,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.heads.base import HeadOutput
-from models.heads.drafting import Proposal, Sampler, draw, proposal
+from models.heads.drafting import Proposal, Sampler, proposal
 from models.heads.dflash import DFlashHead, block_targets
 from models.heads.trees import TreeSpec, grow_tree, node_depths
+from models.heads.vocab import spread
 from models.layers import row_ce
 
 
@@ -35,13 +38,15 @@ class DSparkHead(DFlashHead):
     def __init__(self, target: Any, block_size: int = 8, num_layers: int = 2, num_anchors: int = 32,
                  gamma: float | None = None, mask_token_id: int | None = None, rms_eps: float = 1e-6,
                  markov_rank: int = 256,
-                 loss_weights: tuple[float, float, float] = (0.1, 0.9, 1.0), qk_norm: bool = False):
-        super().__init__(target, block_size, num_layers, num_anchors, gamma, mask_token_id, rms_eps, qk_norm)
+                 loss_weights: tuple[float, float, float] = (0.1, 0.9, 1.0), qk_norm: bool = False,
+                 draft_vocab_size: int | None = None):
+        super().__init__(target, block_size, num_layers, num_anchors, gamma, mask_token_id, rms_eps, qk_norm,
+                         draft_vocab_size=draft_vocab_size)
         self.init_args.update(markov_rank=markov_rank, loss_weights=list(loss_weights))
         d, V = target.config.hidden_size, target.config.vocab_size
         r = min(markov_rank, V)
         self.markov_in = nn.Embedding(V, r)          # W1
-        self.markov_out = nn.Linear(r, V, bias=False)  # W2
+        self.markov_out = nn.Linear(r, self.draft_vocab_size or V, bias=False)  # W2, onto the draft vocabulary's columns
         nn.init.zeros_(self.markov_out.weight)
         self.confidence = nn.Linear(d + r, 1)
         self.loss_weights = tuple(loss_weights)
@@ -51,16 +56,17 @@ class DSparkHead(DFlashHead):
         return super().serving_dims() | {"markov_rank": self.markov_in.embedding_dim}
 
     def slot_outputs(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [..., d] slot states, prev [...] previous tokens → (logits [..., V], confidence logit [...])."""
+        """h [..., d] slot states, prev [...] previous target ids → (logits [..., Vd or V], confidence logit [...])."""
         m = self.markov_in(prev)  # [..., r]
-        logits = self.lm_head(h) + self.markov_out(m)
+        logits = self.rows_logits(h) + self.markov_out(m)
         conf = self.confidence(torch.cat([h, m.to(h.dtype)], -1)).squeeze(-1)
         return logits, conf
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
         h = self.anchored_hidden(ids, feats, at)[:steps]  # slot k (position at+1+k) predicts token at+2+k
         prev = ids[0, at + 1: at + 1 + steps]  # x_{k-1}: the pending token, then the drafts
-        return self.slot_outputs(h, prev)[0].float()
+        logits = self.slot_outputs(h, prev)[0].float()  # [steps, Vd or V]
+        return spread(logits, self.draft_ids(), self.lm_head.out_features, float("-inf")) if self.draft_vocab_size else logits
 
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
@@ -75,9 +81,15 @@ class DSparkHead(DFlashHead):
         logits, conf = self.slot_outputs(h[rows], prev[rows])  # [M, V], [M]
         b = rows[0]
         p_t = torch.softmax(feats.logits[b, posc.view_as(labels)[rows]].float(), -1)  # [M, V] the target's for token pos+1
-        p_d = torch.softmax(logits.float(), -1)
-        tv = 0.5 * (p_d - p_t).abs().sum(-1)  # [M]
-        ce = row_ce(logits, labels=labels[rows])  # [M]
+        p_d = torch.softmax(logits.float(), -1)  # [M, Vd or V]
+        t_top = p_t.argmax(-1)  # [M]
+        if self.draft_vocab_size:  # the draft puts no mass outside its vocabulary: that mass counts whole in TV
+            p_t = p_t[:, self.draft_ids()]  # [M, Vd]
+            tv = 0.5 * ((p_d - p_t).abs().sum(-1) + (1 - p_t.sum(-1)).clamp(min=0))  # [M]
+        else:
+            tv = 0.5 * (p_d - p_t).abs().sum(-1)  # [M]
+        lab, keep = self.draft_labels(labels[rows])
+        ce = row_ce(logits, labels=lab) * keep  # [M]: a label outside the draft vocabulary is not scored
         conf_loss = F.binary_cross_entropy_with_logits(conf.float(), (1 - tv).detach().clamp(0, 1), reduction="none")
         a, c_tv, c_conf = self.loss_weights
         per = a * ce + c_tv * tv + c_conf * conf_loss
@@ -85,7 +97,7 @@ class DSparkHead(DFlashHead):
         loss = (per * w[rows]).sum() / n
         with torch.no_grad():
             slot, blk = rows[2], w.shape[-1]
-            hit = (logits.argmax(-1) == p_t.argmax(-1)).float()
+            hit = (self.column_ids(logits.argmax(-1)) == t_top).float()
             correct = torch.bincount(slot, weights=hit, minlength=blk).float()
             total = torch.bincount(slot, minlength=blk).float()
             metrics = {"tv": tv.sum() / n, "confidence": torch.sigmoid(conf).sum() / n}
@@ -95,14 +107,14 @@ class DSparkHead(DFlashHead):
     def propose(self, pending: int, k: int, sampler: Sampler) -> Proposal:
         k = min(k, self.max_draft)
         h = self._full_block(pending)[:k]  # [k, d]: the whole block as in training, its first k slots
-        base = self.lm_head(h)  # [k, V]
+        base = self.rows_logits(h)  # [k, Vd or V]
         prev = pending
         tokens, probs = [], []
         for j in range(k):
             m = self.markov_in.weight[prev]
             logits = base[j] + self.markov_out(m)
-            t, q = draw(logits, sampler)
-            t = int(t)
+            t, q = self.draw_rows(logits[None], sampler)  # a target id, q [1, V] or None
+            t, q = int(t[0]), None if q is None else q[0]
             tokens.append(t)
             probs.append(q)
             prev = t
@@ -114,13 +126,13 @@ class DSparkHead(DFlashHead):
         with token x gets its children from ``base[d] + W2(W1[x])``, the logits ``propose`` uses after x; set
         ``tree.min_prob`` for adaptive length."""
         tree = self.within_reach(tree)
-        base = self.lm_head(self._full_block(pending)[: tree.depth])  # [depth, V]: slot d predicts the token at depth d+1
+        base = self.rows_logits(self._full_block(pending)[: tree.depth])  # [depth, Vd or V]: slot d predicts depth d+1
 
-        def children_of(depth: int, tokens: torch.Tensor) -> torch.Tensor:  # tokens [n] at `depth` → [n, V]
+        def children_of(depth: int, tokens: torch.Tensor) -> torch.Tensor:  # target ids [n] at `depth` → [n, Vd or V]
             return base[depth] + self.markov_out(self.markov_in.weight[tokens.to(base.device)])
 
         def expand(nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
             return children_of(int(node_depths(parents)[nodes[0]]), tokens[nodes])
 
         root = children_of(0, torch.tensor([pending]))[0]  # [V]
-        return grow_tree(root, expand, tree, sampler)
+        return grow_tree(root, expand, tree, sampler, vocab=self.vocab())

@@ -65,7 +65,7 @@ from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
 from models.heads.drafting import Proposal, Sampler, draw, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
-from models.heads.vocab import build_draft_vocab, choose, draft_ids
+from models.heads.vocab import FrozenRows, choose
 from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm,
                            feature_regression, frozen_embedding, frozen_linear, lookahead_loss, loss_weight, shift_left)
 from models.target import rope_theta
@@ -110,12 +110,7 @@ class MTPModule(nn.Module):
         return h if self.norm_output else self.norm(h)
 
 
-def _reselect_rows(head: "MTPHead", _incompatible: Any) -> None:
-    """After ``load_state_dict``: the loaded vocabulary picks the draft rows again."""
-    head._select_rows()
-
-
-class MTPHead(DraftHead):
+class MTPHead(FrozenRows, DraftHead):
     """``num_modules`` depths D; ``shared_module``: one module at every depth; ``qk_norm``: Qwen3 blocks;
     ``chain_normed``: each depth hands on its final-norm output (see the layouts table above)."""
 
@@ -153,17 +148,7 @@ class MTPHead(DraftHead):
             copy_final_norm(m.norm, target)
         self.embed_tokens = frozen_embedding(target.embed_tokens().weight)  # [V, d]
         self.lm_head = frozen_linear(target.lm_head().weight)              # d → V
-        V = self.lm_head.out_features
-        if draft_vocab_size is not None and draft_vocab_size < 1:
-            raise UserError(f"draft.draft_vocab_size={draft_vocab_size}: a token count >= 1, or null for the full vocabulary")
-        self.draft_vocab_size = None if draft_vocab_size is None or draft_vocab_size >= V else int(draft_vocab_size)
-        if self.draft_vocab_size:  # decoding reads draft_head: the lm_head rows of the draft vocabulary, kept in step
-            d2t, t2d = build_draft_vocab(torch.ones(V), self.draft_vocab_size)  # identity-like until data is seen
-            self.register_buffer("d2t", d2t)
-            self.register_buffer("t2d", t2d)
-            self.draft_head = frozen_linear(self.lm_head.weight[: self.draft_vocab_size])  # d → Vd, not exported
-            self._select_rows()
-            self.register_load_state_dict_post_hook(_reselect_rows)
+        self.init_draft_rows(draft_vocab_size)  # decoding reads draft_head: the lm_head rows of the draft vocabulary
 
     @property
     def num_steps(self) -> int:
@@ -181,23 +166,6 @@ class MTPHead(DraftHead):
         return {"hidden_size": m.eh_proj.out_features, "rms_norm_eps": m.norm.eps, "vocab_size": self.lm_head.out_features,
                 "num_modules": len(self.layers), "chain_normed": m.norm_output}
 
-    def prepare_from_data(self, token_counts: torch.Tensor) -> None:
-        if self.draft_vocab_size:
-            d2t, t2d = build_draft_vocab(token_counts, self.draft_vocab_size)
-            self.d2t.copy_(d2t)
-            self.t2d.copy_(t2d)
-            self._select_rows()
-
-    def draft_ids(self) -> torch.Tensor:
-        """Target ids of the draft vocabulary [Vd] (only with ``draft_vocab_size``)."""
-        return draft_ids(self.d2t)
-
-    @torch.no_grad()
-    def _select_rows(self) -> None:
-        """draft_head ← the frozen head's rows of the draft vocabulary (after the vocabulary was chosen or loaded)."""
-        self.draft_head.weight.copy_(self.lm_head.weight[self.draft_ids()])
-        self._rows_of = self.lm_head.weight._version  # start() selects again if the head changed in place since
-
     def module(self, depth: int) -> MTPModule:
         """Weights used at depth ``depth`` (1-based): module ``depth``, or the last one beyond D (the only one
         with ``shared_module``)."""
@@ -214,13 +182,7 @@ class MTPHead(DraftHead):
     def draft_logits(self, depth: int, h: torch.Tensor) -> torch.Tensor:
         """Decoding's logits: depth-``depth`` states [m, d] → [m, Vd] over the draft vocabulary's columns
         (:meth:`vocab`) through the draft rows alone, or [m, V] without one."""
-        if not self.draft_vocab_size:
-            return self.logits(depth, h)
-        return self.draft_head(self.module(depth).head_input(h))
-
-    def vocab(self) -> tuple[torch.Tensor, int] | None:
-        """(target ids [Vd], V) of :meth:`draft_logits`' columns where there is a draft vocabulary, else None."""
-        return (self.draft_ids(), self.lm_head.out_features) if self.draft_vocab_size else None
+        return self.rows_logits(self.module(depth).head_input(h))
 
     def depth_states(self, ids: torch.Tensor, last_state: torch.Tensor, steps: int):
         """The teacher-forced training forward: yields depth j+1's output states [B, T, d] for j < ``steps``
@@ -239,7 +201,7 @@ class MTPHead(DraftHead):
 
     def teacher_forced_logits(self, ids: torch.Tensor, feats: Any, at: int, steps: int) -> torch.Tensor:
         out = torch.stack([lg[0, at] for lg in self.depth_logits(ids, feats.last_state, steps)]).float()  # [steps, V]
-        return out.masked_fill(~self.t2d, float("-inf")) if self.draft_vocab_size else out
+        return self.on_draft_vocab(out)
 
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
@@ -273,8 +235,7 @@ class MTPHead(DraftHead):
     #   _rows[i] [1, r, d]         depth-i states of known positions not yet in depth i+1's cache
     #                              (positions c_{i+1}.. ; _rows[0]: the target's last states)
     def start(self, prompt_ids: torch.Tensor, feats: Any) -> None:
-        if self.draft_vocab_size and self.lm_head.weight._version != self._rows_of:
-            self._select_rows()
+        self.reselect_if_stale()
         self._ids = prompt_ids.view(-1).to(self.lm_head.weight.device)
         self._kv: list[KVBuffer] = []
         self._rows = [feats.last_state[:1].to(self.lm_head.weight.device, self.eh_dtype)]

@@ -37,9 +37,85 @@ def choose(logits: torch.Tensor, d2t: torch.Tensor, V: int, sampler: Sampler) ->
     return i + int(d2t[i]), None if q is None else spread(q, draft_ids(d2t), V)
 
 
-def spread(q: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
-    """A distribution q [Vd] over the draft vocabulary's target ids ``ids`` [Vd] → [V] over the target vocabulary,
-    zero outside it."""
-    full = torch.zeros(V, dtype=q.dtype, device=q.device)
-    full[ids] = q
+def spread(q: torch.Tensor, ids: torch.Tensor, V: int, fill: float = 0.0) -> torch.Tensor:
+    """Rows q [..., Vd] over the draft vocabulary's target ids ``ids`` [Vd] → [..., V] over the target vocabulary,
+    ``fill`` outside it (0 for distributions, −inf for logits)."""
+    full = torch.full((*q.shape[:-1], V), fill, dtype=q.dtype, device=q.device)
+    full[..., ids] = q
     return full
+
+
+def _reselect_rows(head: "FrozenRows", _incompatible: object) -> None:
+    """After ``load_state_dict``: the loaded vocabulary picks the draft rows again (a module-level hook: picklable)."""
+    head._select_rows()
+
+
+class FrozenRows:
+    """A draft vocabulary over the target's own frozen head (MTP, DFlash, DSpark): ``draft_head`` holds ``lm_head``'s
+    rows of the draft vocabulary, so the logits on those rows are exactly the full head's and a drafted token reads Vd
+    rows instead of V. The host module has ``lm_head``; it calls :meth:`init_draft_rows` once built."""
+
+    draft_vocab_size: int | None
+
+    def init_draft_rows(self, size: int | None, field: str = "draft.draft_vocab_size") -> None:
+        """``size`` tokens (None, or at least the vocabulary: the full head). Identity-like until data is seen."""
+        from data.errors import UserError
+        from models.layers import frozen_linear
+
+        V = self.lm_head.out_features
+        if size is not None and size < 1:
+            raise UserError(f"{field}={size}: a token count >= 1, or null for the full vocabulary")
+        self.draft_vocab_size = None if size is None or size >= V else int(size)
+        if self.draft_vocab_size:
+            d2t, t2d = build_draft_vocab(torch.ones(V), self.draft_vocab_size)
+            self.register_buffer("d2t", d2t)
+            self.register_buffer("t2d", t2d)
+            self.register_buffer("t2i", torch.full((V,), -1), persistent=False)  # target id → draft index, −1 outside
+            self.draft_head = frozen_linear(self.lm_head.weight[: self.draft_vocab_size])  # d → Vd
+            self._select_rows()
+            self.register_load_state_dict_post_hook(_reselect_rows)
+
+    def prepare_from_data(self, token_counts: torch.Tensor) -> None:
+        if self.draft_vocab_size:
+            d2t, t2d = build_draft_vocab(token_counts, self.draft_vocab_size)
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            self._select_rows()
+
+    def draft_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary [Vd] (only with ``draft_vocab_size``)."""
+        return draft_ids(self.d2t)
+
+    @torch.no_grad()
+    def _select_rows(self) -> None:
+        """draft_head ← the frozen head's rows of the draft vocabulary (after the vocabulary was chosen or loaded)."""
+        ids = self.draft_ids()
+        self.draft_head.weight.copy_(self.lm_head.weight[ids])
+        self.t2i.fill_(-1)
+        self.t2i[ids] = torch.arange(ids.numel(), device=ids.device)
+        self._rows_of = self.lm_head.weight._version  # reselect_if_stale() selects again if the head changed in place
+
+    def reselect_if_stale(self) -> None:
+        """At the start of decoding: the rows again if ``lm_head`` was written in place since they were taken."""
+        if self.draft_vocab_size and self.lm_head.weight._version != self._rows_of:
+            self._select_rows()
+
+    def vocab(self) -> tuple[torch.Tensor, int] | None:
+        """(target ids [Vd], V) of the draft logits' columns where there is a draft vocabulary, else None."""
+        return (self.draft_ids(), self.lm_head.out_features) if self.draft_vocab_size else None
+
+    def rows_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """States [..., d] → logits [..., Vd] through the draft rows, or [..., V] without a draft vocabulary."""
+        return self.draft_head(h) if self.draft_vocab_size else self.lm_head(h)
+
+    def draw_rows(self, logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`draw` on logits [k, Vd] (or [k, V]) → target ids [k] and q [k, V] over the target vocabulary."""
+        tokens, q = draw(logits, sampler)
+        if not self.draft_vocab_size:
+            return tokens, q
+        ids = self.draft_ids()
+        return ids[tokens], None if q is None else spread(q, ids, self.lm_head.out_features)
+
+    def on_draft_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [..., V] → −inf outside the draft vocabulary (what decoding can draft)."""
+        return logits.masked_fill(~self.t2d, float("-inf")) if self.draft_vocab_size else logits
