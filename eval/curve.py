@@ -3,10 +3,10 @@ curve costs its longest run), and at every point its exported draft is evaluated
 same prompts; plain decoding and the baselines (n-gram, ...) are the horizontal references.
 
     python -m eval.curve                                              # EAGLE-3 at 50, 100, 200 steps on MT-Bench
-    python -m eval.curve budgets=[100,300,900] "families.mtp=[draft=mtp]"
+    python -m eval.curve budgets=[100,300,900] "+families.mtp=['draft=mtp']"
     python -m eval.curve unit=tokens budgets=[2e5,4e5,8e5] tokens_per_step=2500
     python -m eval.curve schedule=fixed budgets=[100,200,400]         # one cosine schedule to the last budget
-    python -m eval.curve unit=seconds budgets=[900,1800,3600] "families.mtp=[experiment=mtp_cpu1h]"   # one CPU hour
+    python -m eval.curve unit=seconds budgets=[900,1800,3600] "+families.mtp=['experiment=mtp_cpu1h']"   # one CPU hour
 
 Point i runs ``python -m train ... ckpt_path=last trainer.max_steps=<steps_i>`` in ``<run_dir>/<family>``, so it
 continues from point i−1's last checkpoint (``schedule=raise``, the default: each resume stretches the schedule to
@@ -234,7 +234,7 @@ def run(cfg: DictConfig) -> dict:
     steps = budget_steps(list(cfg.budgets), cfg.unit, cfg.get("tokens_per_step"))
     families = {k: list(v) for k, v in (cfg.families or {}).items() if v is not None}
     if not families:
-        raise UserError("families is empty: name at least one family (e.g. families.eagle3=[draft=eagle3])")
+        raise UserError("families is empty: name at least one family (e.g. \"families.eagle3=['draft=eagle3']\")")
     target = instantiate(cfg.target, device=cfg.get("device", "auto"))  # auto: a GPU when one is visible
     tok = load_tokenizer(cfg.target.name_or_path)
     sets = build_sets(cfg)

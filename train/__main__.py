@@ -204,6 +204,7 @@ def check_fresh_start(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict:
+    from models.heads.vocab import vocab_coverage
     from train.callbacks import RecordConfig, StopAtStep, TimeBudget
     from train.module import DraftModule
 
@@ -216,7 +217,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     ckpt = resolve_ckpt(cfg.ckpt_path, ckpt_dir)
     module = DraftModule(target, head, time_budget_s=cfg.get("time_budget_s"), **cfg.optim)
     if ckpt is None:
-        head.prepare_from_data(dm.token_counts())
+        counts = dm.token_counts()
+        head.prepare_from_data(counts)
+        if getattr(head, "draft_vocab_size", None) and hasattr(head, "draft_ids"):
+            print(vocab_coverage(counts, head.draft_ids()))
         if cfg.get("init_from"):  # its weights and draft vocabulary (a head whose vocabulary only drafts: this run's)
             init_from_export(head, str(cfg.init_from), target)
     resolved = OmegaConf.to_container(cfg, resolve=True)

@@ -24,6 +24,14 @@ def build_draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tens
     return d2t, t2d
 
 
+def vocab_coverage(token_counts: torch.Tensor, ids: torch.Tensor) -> str:
+    """One line: how much of the training split's loss tokens (counts [V]) the draft vocabulary ``ids`` [Vd] holds."""
+    total = float(token_counts.sum())
+    share = float(token_counts[ids.to(token_counts.device)].sum()) / total if total else 0.0
+    return (f"draft vocabulary: {ids.numel():,} of {token_counts.numel():,} tokens, {100 * share:.2f}% of the training "
+            f"split's {int(total):,} loss tokens")
+
+
 def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
     """Target ids of the draft vocabulary [Vd] from its ``d2t`` offsets [Vd]."""
     return torch.arange(d2t.numel(), device=d2t.device) + d2t
