@@ -218,17 +218,6 @@ class DFlashHead(FrozenRows, DraftHead):
             total = torch.bincount(slot, minlength=blk)[first:].float()
         return HeadOutput(loss=loss, correct=correct, total=total)
 
-    def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target ids [M] → (their columns of the draft logits [M], bool [M]: inside the draft vocabulary)."""
-        if not self.draft_vocab_size:
-            return labels, torch.ones_like(labels, dtype=torch.bool)
-        col = self.t2i[labels]
-        return col.clamp(min=0), col >= 0
-
-    def column_ids(self, cols: torch.Tensor) -> torch.Tensor:
-        """Columns of the draft logits → target ids."""
-        return self.draft_ids()[cols] if self.draft_vocab_size else cols
-
     # -- inference ------------------------------------------------------------------------------
     def _extend(self, taps: torch.Tensor) -> None:
         ctx = self.context(taps)  # [1, m, d]

@@ -124,6 +124,17 @@ class FrozenRows:
         ids = self.draft_ids()
         return ids[tokens], None if q is None else spread(q, ids, self.lm_head.out_features)
 
+    def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids [M] → (their columns of the draft logits [M], bool [M]: inside the draft vocabulary)."""
+        if not self.draft_vocab_size:
+            return labels, torch.ones_like(labels, dtype=torch.bool)
+        col = self.t2i[labels]
+        return col.clamp(min=0), col >= 0
+
+    def column_ids(self, cols: torch.Tensor) -> torch.Tensor:
+        """Columns of the draft logits → target ids."""
+        return self.draft_ids()[cols] if self.draft_vocab_size else cols
+
     def on_draft_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [..., V] → −inf outside the draft vocabulary (what decoding can draft)."""
         return logits.masked_fill(~self.t2d, float("-inf")) if self.draft_vocab_size else logits
