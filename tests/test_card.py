@@ -100,6 +100,8 @@ def test_export_and_ship_write_a_card(tmp_path):
     assert "tiny-chats.jsonl" in spec and f"{REPORT['training']['val/acc_len']:.3f}" in spec
     shipped = (tmp_path / "shipped" / "README.md").read_text()
     assert "our own format" in shipped and "tiny-chats.jsonl" in shipped
+    # the card names the folder it was shipped as, never the temporary one it was written in
+    assert shipped.startswith("# shipped: ") and f"path: {tmp_path / 'shipped'}}}" in shipped and ".tmp" not in shipped
     assert folder_facts(tmp_path / "shipped")["family"] == run_facts(tmp_path / "shipped")["family"] == "eagle3"
     # a second export over the first (its card included) is still an export of ours
     again = subprocess.run([sys.executable, "-m", "train.export", f"src={tmp_path / 'run'}", "format=speculators"],

@@ -133,13 +133,15 @@ def _f(x: Any, digits: int = 3) -> str:
 
 
 def card_text(folder: Path, facts: dict, run: dict, evaluation: dict | None = None, drafter: str | None = None,
-              measured: str | None = None) -> str:
-    """The card as Markdown (pure: everything it says comes from the arguments)."""
+              measured: str | None = None, shown_as: Path | None = None) -> str:
+    """The card as Markdown (pure: everything it says comes from the arguments); ``shown_as``: the path the card names
+    (default ``folder``; a folder written under a temporary name shows its final one)."""
+    shown = shown_as or folder
     family = facts["family"]
     target = (run.get("target") or facts["target"] or {}).get("name_or_path")
     tc = run.get("train_config") or _read(folder / "train_config.json")
     training = run.get("training") or {}
-    title = f"# {folder.name}: {FAMILY_NAMES.get(family, family)} draft head for `{target}`"
+    title = f"# {shown.name}: {FAMILY_NAMES.get(family, family)} draft head for `{target}`"
     out = [title, "", f"Speculative-decoding draft head trained with draftsmith (family `{family}`, "
            f"{'our own format' if facts['format'] == 'draftsmith' else facts['format'] + ' format'}; "
            f"reads {facts['reads']}). It drafts tokens for the frozen target `{target}`, which verifies "
@@ -196,8 +198,8 @@ def card_text(folder: Path, facts: dict, run: dict, evaluation: dict | None = No
                     pos = " / ".join(_f(a, 2) for a in r.get("acceptance_per_position", [])[:6])
                     out.append(f"| {SETS.get(set_name, set_name)} | {temp[2:]} | {_f(r.get('tau'), 2)} | {_f(r.get('speedup'), 2)}× | {pos} |")
     out += ["", "## Use", "", "```bash",
-            f"python -m eval \"+drafters.head={{_target_: eval.decoding.drafters.load_head, path: {folder}}}\""]
-    serve = serving_lines(family, str(folder), facts["format"], serving_target(target), facts.get("num_steps"))
+            f"python -m eval \"+drafters.head={{_target_: eval.decoding.drafters.load_head, path: {shown}}}\""]
+    serve = serving_lines(family, str(shown), facts["format"], serving_target(target), facts.get("num_steps"))
     out += serve + ["```", ""]
     if not serve:
         out.append(f"`{family}` is not servable by vLLM/SGLang: no serving format holds it; it drafts in draftsmith's decoder.")
@@ -206,15 +208,16 @@ def card_text(folder: Path, facts: dict, run: dict, evaluation: dict | None = No
 
 
 def write_card(folder: str | Path, src: str | Path | None = None, evaluation: str | Path | dict | None = None,
-               drafter: str | None = None, measured: str | None = None) -> Path:
+               drafter: str | None = None, measured: str | None = None, shown_as: str | Path | None = None) -> Path:
     """Write ``folder/README.md`` (atomically) for the draft in ``folder``; ``src``: where its run's facts are
-    (a run directory or a shipped folder; default ``folder`` itself)."""
+    (a run directory or a shipped folder; default ``folder`` itself); ``shown_as``: the path the card names."""
     folder = Path(folder)
     if isinstance(evaluation, (str, Path)):
         if not Path(evaluation).exists():
             raise UserError(f"evaluation={evaluation}: no such results.json (write one with `python -m eval ...`)")
         evaluation = _read(Path(evaluation))
-    text = card_text(folder, folder_facts(folder), run_facts(Path(src) if src else folder), evaluation, drafter, measured)
+    text = card_text(folder, folder_facts(folder), run_facts(Path(src) if src else folder), evaluation, drafter, measured,
+                     Path(shown_as) if shown_as else None)
     with atomic_file(folder / "README.md") as f:
         f.write(text)
     return folder / "README.md"

@@ -125,7 +125,7 @@ def ship(src: str | Path, out: str | Path, dtype: str = "bfloat16", evaluation: 
             p.rename(tmp / p.name)
         inner.rmdir()
         write_json(tmp / "report.json", report)
-        write_card(tmp)  # README.md: the model card, from the report
+        write_card(tmp, shown_as=out)  # README.md: the model card, from the report, naming the folder it becomes
     size = sum(p.stat().st_size for p in out.iterdir())
     print(f"shipped {draft} -> {out} ({size / 1e6:.1f} MB, {report['stored_parameters']:,} parameters in {dtype})")
     return report
