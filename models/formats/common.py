@@ -223,7 +223,8 @@ def block_finish(raw: dict, c: dict, where: str, state: dict, target: Any, famil
             raise UserError(f"this {family} checkpoint's layers apply per-head q/k RMSNorm (layers.N.self_attn.q_norm), "
                             f"which the {family} head here ({cfg['class']}) does not have")
         cfg["init_args"]["qk_norm"] = True
-    for k in [k for k in state if k.startswith(("verifier_",) if Vd < V else ("verifier_", "t2d", "d2t"))]:
+    dropped = ("verifier_",) if Vd < V else ("verifier_", "t2d", "d2t")  # the full vocabulary's maps say nothing
+    for k in [k for k in state if k.startswith(dropped)]:
         del state[k]  # speculators' verifier copies (rebuilt from the target by every reader)
     if Vd < V:  # a draft vocabulary: its head rows are the target's (reselected on load), d2t/t2d say which
         vocab_map(state, Vd, V)

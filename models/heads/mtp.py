@@ -63,9 +63,9 @@ from torch import nn
 
 from data.errors import UserError
 from models.heads.base import DraftHead, HeadOutput
-from models.heads.drafting import Proposal, Sampler, draw, proposal
+from models.heads.drafting import Proposal, Sampler, proposal
 from models.heads.trees import TreeSpec, grow_tree, node_depths, path_to
-from models.heads.vocab import FrozenRows, choose
+from models.heads.vocab import FrozenRows
 from models.layers import (Attention, DecoderLayer, KVBuffer, RMSNorm, Rotary, attention_shape, copy_final_norm,
                            feature_regression, frozen_embedding, frozen_linear, lookahead_loss, loss_weight, shift_left)
 from models.target import rope_theta
@@ -265,11 +265,8 @@ class MTPHead(FrozenRows, DraftHead):
             known_prev = n if j == 1 else max(0, n - j + 2)
             self._rows[j - 1] = prev[:, known - c: known_prev - c]  # depth j-1 states depth j has not cached yet
             h_last = self.module(j).head_input(out[0, -1])  # position n-1 predicts x_{n+j}
-            if self.draft_vocab_size:
-                t, q = choose(self.draft_head(h_last), self.d2t, self.lm_head.out_features, sampler)
-            else:
-                t, q = draw(self.lm_head(h_last), sampler)
-                t = int(t)
+            t, q = self.draw_rows(self.rows_logits(h_last)[None], sampler)  # a target id, q [1, V] or None
+            t, q = int(t[0]), None if q is None else q[0]
             tokens.append(t)
             probs.append(q)
             seq = torch.cat([seq, seq.new_tensor([t])])
