@@ -1,8 +1,14 @@
-"""``python -m eval.peer``: draftsmith's EAGLE-3 trainer beside vLLM's ``speculators`` trainer (0.9.0), on the same
-tokens, judged by one decoder.
+"""``python -m eval.peer``: draftsmith's trainer beside vLLM's ``speculators`` trainer (0.9.0), on the same tokens,
+judged by one decoder, for a family both train (``conf/peer_family``: EAGLE-3, DSpark).
 
-    python -m eval.peer                                   # conf/peer.yaml: the eagle3_quick recipe, 200 steps each
+    python -m eval.peer                                   # conf/peer.yaml: EAGLE-3, the eagle3_quick recipe, 200 steps each
+    python -m eval.peer peer_family=dspark                # DSpark, the dspark_quick recipe
     python -m eval.peer steps=300 limit=10 precision=32
+
+A family file names speculators' ``--speculator-type``, draftsmith's recipe, the settings both sides train with
+(``matched``: draftsmith's key → speculators' flag and the one value) and each side's own extra settings. ``out``
+(``runs/peer/<family>``) keeps every stage's output and the settings that made them; a rerun with other settings
+there is refused (give another ``name=``).
 
 Stages (each skipped when its output is already there, so a run can be continued):
 
@@ -18,16 +24,16 @@ Stages (each skipped when its output is already there, so a run can be continued
    within the cache's rounding: ``prenorm_check_max_abs``). The draft
    vocabulary is the one draftsmith builds from the same loss-masked training tokens
    (:func:`models.heads.vocab.build_draft_vocab`), so both heads draft over the same 2,048 tokens.
-3. **speculators**: ``speculators train`` (EAGLE-3) through ``eval/peer_side.py`` in the side venv
-   (:func:`eval.check_export.side_python`) with the recipe's settings: taps, one decoder layer, the draft vocabulary,
-   ``ttt_steps`` and decay, AdamW lr 1e-3 betas (0.9, 0.999) weight decay 0, 4% warm-up then cosine to 0, the frozen
+3. **speculators**: ``speculators train`` through ``eval/peer_side.py`` in the side venv
+   (:func:`eval.check_export.side_python`) with the recipe's settings: taps, the draft vocabulary, the family's matched
+   values (EAGLE-3: one decoder layer, ``ttt_steps`` and decay), AdamW lr 1e-3 betas (0.9, 0.999) weight decay 0, 4% warm-up then cosine to 0, the frozen
    lm_head on the target's rows (speculators always freezes it), ``steps`` steps, packed batches of
    ``batch_size × max_length`` tokens, its eager loss and sdpa attention (Triton and flex attention need a GPU
-   compiler; on a GPU its defaults, the fused loss and flex attention, stay), bf16 autocast or fp32 as ``precision``. Its own defaults stay: ``norm_before_fc``,
-   ``norm_before_residual``, ``norm_output``, a sliding-window layer (window 2,048), all imported faithfully by
-   :func:`models.formats.load_draft`.
+   compiler; on a GPU its defaults, the fused loss and flex attention, stay), bf16 autocast or fp32 as ``precision``. Its other
+   defaults stay (EAGLE-3: ``norm_before_fc``, ``norm_before_residual``, ``norm_output``, a sliding-window layer of
+   2,048), all imported faithfully by :func:`models.formats.load_draft`.
 4. **draftsmith**: ``python -m train`` with the recipe and the matching overrides (``features=offline`` on the same
-   cache, ``draft.freeze_lm_head=true``, betas (0.9, 0.999), ``trainer.max_steps=steps``, the same precision).
+   cache, the family's own (EAGLE-3: ``draft.freeze_lm_head=true``), betas (0.9, 0.999), ``trainer.max_steps=steps``, the same precision).
 5. **eval**: ``python -m eval`` with both heads as drafters on the held-out sets at T=0 and T=1 (``limit`` prompts
    each, ``k`` drafted tokens).
 
@@ -36,7 +42,7 @@ per second and peak memory of each trainer (tokens: the real tokens of the batch
 ``max_memory_allocated``, on a CPU the trainer process's peak resident set — which includes the Python runtime and
 libraries, so compare it between the two trainers only as a rough figure).
 
-**What is not matched** (where it lives, and what a switch would measure):
+**What is not matched** for EAGLE-3 (where it lives, and what a switch would measure):
 
 - *Loss mask alignment*: draftsmith scores TTT step j at position t (which predicts token t+2+j) where
   ``loss_mask[t+2+j]`` (:func:`models.heads.eagle3.step_weights`); speculators where ``loss_mask[t+1+j]``: its
@@ -59,7 +65,9 @@ libraries, so compare it between the two trainers only as a rough figure).
   changes no score.
 - *Variants*: speculators' defaults above; draftsmith's recipe has none of them.
 
-speculators 0.9.0 also trains DFlash (``--speculator-type dflash``); this command compares EAGLE-3 only.
+For DSpark the loss (0.1 CE + 0.9 TV + the confidence term), block, layers, Markov rank and slot weights are matched;
+not matched: speculators samples up to ``--max-anchors`` anchors per packed row, draftsmith up to ``num_anchors`` per
+conversation (the same count per step on average), and the packing as above.
 """
 from __future__ import annotations
 
@@ -196,24 +204,27 @@ def measured(cmd: list[str], log: Path, env: dict | None = None) -> dict:
 
 
 def recipe(cfg: DictConfig) -> list[str]:
-    """The training recipe's overrides shared by the feature writer and draftsmith's trainer."""
-    return [f"experiment={cfg.experiment}", f"target={cfg.target}", f"data.max_conversations={cfg.max_conversations}",
+    """The training recipe's overrides shared by the feature writer and draftsmith's trainer: the family's recipe, the
+    shared settings, and the family's matched values (``peer_family.matched``: draftsmith key → [flag, value])."""
+    fam = cfg.peer_family
+    return [f"experiment={fam.experiment}", f"target={cfg.target}", f"data.max_conversations={cfg.max_conversations}",
             f"data.max_length={cfg.max_length}", f"data.batch_size={cfg.batch_size}",
-            f"target.tap_layers=[{','.join(str(t) for t in cfg.tap_layers)}]", f"draft.ttt_steps={cfg.ttt_steps}",
-            f"draft.draft_vocab_size={cfg.draft_vocab_size}", f"draft.step_decay={cfg.step_decay}"]
+            f"target.tap_layers=[{','.join(str(t) for t in cfg.tap_layers)}]", f"draft.draft_vocab_size={cfg.draft_vocab_size}",
+            *[f"{key}={value}" for key, (_, value) in fam.matched.items()]]
 
 
 def speculators_argv(cfg: DictConfig, data: Path, save: Path, verifier: str, rows: int, train_rows: int) -> list[str]:
-    """``speculators train`` arguments matching the recipe (see the module docstring)."""
+    """``speculators train`` arguments matching the recipe (see the module docstring): the shared settings, the
+    family's matched values under speculators' flags, and its speculators-only flags."""
     from models.formats.layer_ids import engine_layer_ids
 
-    V = int(cfg.draft_vocab_size)
-    return ["--speculator-type", "eagle3", "--verifier-name-or-path", verifier, "--data-path", str(data),
-            "--num-layers", "1", "--target-layer-ids", *[str(i) for i in engine_layer_ids(list(cfg.tap_layers), "speculators")],
+    V, fam = int(cfg.draft_vocab_size), cfg.peer_family
+    return ["--speculator-type", str(fam.speculator_type), "--verifier-name-or-path", verifier, "--data-path", str(data),
+            "--target-layer-ids", *[str(i) for i in engine_layer_ids(list(cfg.tap_layers), "speculators")],
             "--draft-vocab-size", str(V), "--d2t-path", str(data / f"d2t-{V}.npy"), "--t2d-path", str(data / f"t2d-{V}.npy"),
-            "--ttt-steps", str(cfg.ttt_steps), "--ttt-step-loss-decay", str(cfg.step_decay), "--lr", str(cfg.lr),
-            "--weight-decay", "0", "--optimizer", "adamw", "--scheduler-type", "cosine", "--scheduler-warmup-ratio",
-            str(cfg.warmup_ratio), "--max-steps", str(cfg.steps), "--epochs", str(cfg.steps),
+            *[str(x) for flag, value in fam.matched.values() for x in (flag, value)], *[str(x) for x in fam.speculators],
+            "--lr", str(cfg.lr), "--weight-decay", "0", "--optimizer", "adamw", "--scheduler-type", "cosine",
+            "--scheduler-warmup-ratio", str(cfg.warmup_ratio), "--max-steps", str(cfg.steps), "--epochs", str(cfg.steps),
             "--total-seq-len", str(int(cfg.batch_size) * int(cfg.max_length)),
             "--train-data-ratio", str((train_rows + 0.5) / rows), "--hidden-states-dtype",
             "bfloat16" if str(cfg.precision) == "bf16-mixed" else "float32", "--num-workers", "0", "--on-missing", "raise",
@@ -266,7 +277,7 @@ def stage_draftsmith(cfg: DictConfig, out: Path, features: Path) -> dict:
         print(f"[peer] draftsmith train ({cfg.steps} steps) -> {run}", flush=True)
         shutil.rmtree(run, ignore_errors=True)
         cmd = [PY, "-m", "train", *recipe(cfg), "features=offline", f"data.feature_dir={features}",
-               f"trainer.max_steps={cfg.steps}", f"trainer.precision={cfg.precision}", "draft.freeze_lm_head=true",
+               f"trainer.max_steps={cfg.steps}", f"trainer.precision={cfg.precision}", *cfg.peer_family.draftsmith,
                f"optim.lr={cfg.lr}", "optim.betas=[0.9,0.999]", "optim.weight_decay=0.0", f"optim.warmup_ratio={cfg.warmup_ratio}",
                "optim.min_lr_ratio=0.0", "export_best=false", f"seed={cfg.seed}", "name=peer-draftsmith", f"hydra.run.dir={run}"]
         rss = measured(cmd, out / "draftsmith.log")
@@ -315,6 +326,48 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def page(report: dict, load: str) -> dict:
+    """The report as a measurement of the results page (``docs/results/*.json``, rendered by ``python -m eval.results``):
+    τ of each side per set and temperature and their ratio, the trainers' throughput and memory in the note."""
+    from eval.results import SETS
+
+    cfg, res, c = report["config"], report["eval"]["results"], report["convert"]
+    rows = []
+    for sname, by_t in res.items():
+        for tname, by_d in by_t.items():
+            ours, theirs = by_d["draftsmith"]["tau"], by_d["speculators"]["tau"]
+            rows.append([SETS.get(sname, sname), tname.removeprefix("T="), f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}×"])
+    d, s = report["trainers"]["draftsmith"], report["trainers"]["speculators"]
+    note = (f"Training, {d['steps']} steps each on the same {c['train_rows']} conversations: draftsmith "
+            f"{d['tokens_per_s']:,.0f} tokens/s, speculators {s['tokens_per_s']:,.0f} tokens/s "
+            f"({d['tokens_per_s'] / s['tokens_per_s']:.2f}×); peak memory {d['peak_memory_bytes'] / 2**20:,.0f} against "
+            f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB ({d['memory_kind']}). Draft vocabulary of {c['draft_vocab_size']:,} "
+            f"tokens (the target's argmax outside it at {c['argmax_outside_draft_vocab']:.1%} of scored positions). "
+            f"{cfg['limit']} prompts a set, k={cfg['k']}, {cfg['max_new_tokens']} new tokens.")
+    return {"title": f"{cfg['peer_family']['label']}: draftsmith's trainer against speculators' on the same tokens "
+            f"({cfg['target']} target)", "date": report["date"], "machine": report["machine"], "load": load,
+            "command": report["command"], "source": str(Path(cfg["out"]) / "peer.json"),
+            "table": {"header": ["set", "T", "τ draftsmith", "τ speculators", "ratio"], "rows": rows}, "note": note}
+
+
+EVAL_ONLY = {"limit", "temperatures", "k", "max_new_tokens"}
+
+
+def check_settings(cfg: DictConfig, out: Path) -> None:
+    """Stages are reused from ``out``: refuse settings other than those that made them (``peer_settings.json``)."""
+    now = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in ("name", "out", "load")}
+    path = out / "peer_settings.json"
+    if not path.exists():
+        write_json(path, now)
+        return
+    before = json.loads(path.read_text())
+    diff = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
+    if diff:
+        redo = out / "eval" if set(diff) <= EVAL_ONLY else out
+        raise UserError(f"out={out}: its stages were made with other {', '.join(diff)}; remove {redo} to redo them "
+                        "with these, or give another name=")
+
+
 @hydra.main(config_path="../conf", config_name="peer", version_base="1.3")
 @cli
 def main(cfg: DictConfig) -> None:
@@ -326,6 +379,7 @@ def main(cfg: DictConfig) -> None:
         raise UserError(f"precision={cfg.precision}: 32 (fp32 on both sides) or bf16-mixed (bf16 autocast on both)")
     out = Path(cfg.out).resolve()  # side processes run in other directories
     out.mkdir(parents=True, exist_ok=True)
+    check_settings(cfg, out)
     features = stage_features(cfg, out).resolve()
     data = out / "speculators-data"
     if not (data / "peer_convert.json").exists():
@@ -335,17 +389,18 @@ def main(cfg: DictConfig) -> None:
     info = json.loads((data / "peer_convert.json").read_text())
     trainers = {"speculators": stage_speculators(cfg, out, data, info), "draftsmith": stage_draftsmith(cfg, out, features)}
     results = stage_eval(cfg, out, trainers)
-    import platform
+    from eval.bench_decode import cpu_name
 
-    report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{platform.machine()} {os.cpu_count()} cores"
-              + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+    report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": f"{cpu_name()}, {os.cpu_count()} cores"
+              + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"),
               "command": "python -m eval.peer " + " ".join(sys.argv[1:]), "config": OmegaConf.to_container(cfg, resolve=True),
               "convert": info, "trainers": trainers, "eval": results}
     write_json(out / "peer.json", report)
+    write_json(out / "peer-page.json", page(report, str(cfg.load)))
     md = table(report)
     (out / "peer.md").write_text(md)
     print(md)
-    print(f"wrote {out / 'peer.json'}, {out / 'peer.md'}")
+    print(f"wrote {out / 'peer.json'}, {out / 'peer.md'}, {out / 'peer-page.json'} (a measurement for docs/results/)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ PRIMARY = sorted(p.stem for p in CONF.glob("*.yaml"))
 
 # group folder -> primary config that uses it
 GROUP_HOME = {"target": "train", "data": "train", "draft": "train", "features": "train", "trainer": "train", "logger": "train",
-              "callbacks": "train", "experiment": "train", "experiment_target": "embedded_target", "eval_set": "eval"}
+              "callbacks": "train", "experiment": "train", "experiment_target": "embedded_target", "eval_set": "eval",
+              "peer_family": "peer"}
 GROUP_FILES = [(g, p.stem) for g in sorted(GROUP_HOME) for p in sorted((CONF / g).glob("*.yaml"))]
 
 

@@ -140,79 +140,176 @@ def side_or_skip():
         pytest.skip(str(e))
 
 
-@pytest.mark.slow
-def test_speculators_trained_head_imports_faithfully(tmp_path, tiny_target_dir, tiny_chats):
-    """A tiny feature cache in speculators' layout, 3 steps of speculators' own trainer (its defaults: norm before fc,
-    before the residual, normed outputs, a sliding-window layer) on the CPU through eval/peer_side.py, then the
-    checkpoint through models.formats.load_draft: its TTT logits equal speculators' forward (window shrunk to 8 so that
-    it binds on the 40-token text)."""
-    side_or_skip()
+def train_with_speculators(tmp_path: Path, tiny_target_dir: Path, tiny_chats, family: str,
+                           matched: dict | None = None) -> tuple[Path, dict]:
+    """A tiny feature cache in speculators' layout and 3 steps of speculators' own trainer (``family``'s settings of
+    conf/peer_family, ``matched`` values replaced, its other defaults) on the CPU through eval/peer_side.py → (the
+    checkpoint, its config)."""
     from conftest import compose_train, train_overrides
-    from safetensors.torch import load_file, save_file
 
-    from data.features import write_features
     from data.errors import instantiate
-    from eval.check_export import compare, make_case, run_side
+    from data.features import write_features
     from eval.peer import convert_cache, run_side as peer_side, speculators_argv
-    from models.formats import load_draft
     from models.target import FrozenTarget
 
     cfg = compose_train(train_overrides(tiny_target_dir, tiny_chats, tmp_path / "run"))
-    taps = [0, 1, 2]
-    target = FrozenTarget(str(tiny_target_dir), tap_layers=taps, dtype="float32")
+    target = FrozenTarget(str(tiny_target_dir), tap_layers=[0, 1, 2], dtype="float32")
     dm = instantiate(cfg.data, tokenizer=str(tiny_target_dir))
     for split in ("train", "heldout"):
         write_features(target, dm.split(split), tmp_path / "features" / split, dtype="float32")
     info = convert_cache(tmp_path / "features", target, 64, tmp_path / "data")
     assert info["prenorm_check_max_abs"] < 1e-4
-    from omegaconf import OmegaConf
-
-    pc = OmegaConf.create({"tap_layers": taps, "draft_vocab_size": 64, "ttt_steps": 2, "step_decay": 0.8, "lr": 1e-3,
-                           "warmup_ratio": 0.04, "steps": 3, "batch_size": 2, "max_length": 64, "precision": "32", "seed": 0})
+    pc = peer_cfg(family, tap_layers="[0,1,2]", draft_vocab_size=64, steps=3, batch_size=2, max_length=64)
+    for key, value in (matched or {}).items():
+        pc.peer_family.matched[key][1] = value
     save = tmp_path / "spec"
     save.mkdir()
     argv = speculators_argv(pc, tmp_path / "data", save, str(tiny_target_dir), info["rows"], info["train_rows"])
     peer_side({"kind": "train", "save_path": str(save), "argv": argv}, save)
     stats = json.loads((save / "peer_train.json").read_text())
     assert stats["steps"] == 3 and stats["tokens"] > 0
+    shutil.rmtree(tmp_path / "data", ignore_errors=True)
     ckpt = Path(stats["checkpoint"])
-    raw = json.loads((ckpt / "config.json").read_text())
-    assert raw["norm_before_fc"] and raw["norm_output"] and raw["transformer_layer_config"]["layer_types"] == ["sliding_attention"]
-    # an fp32 copy (bf16 → fp32 is exact) with a window that binds
-    draft = tmp_path / "draft"
-    draft.mkdir()
+    return ckpt, json.loads((ckpt / "config.json").read_text())
+
+
+def fp32_copy(ckpt: Path, raw: dict, out: Path) -> Path:
+    """The checkpoint in fp32 (bf16 → fp32 is exact) with config ``raw``."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
     save_file({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(ckpt / "model.safetensors")).items()},
-              str(draft / "model.safetensors"))
+              str(out / "model.safetensors"))
     raw["dtype"] = raw["transformer_layer_config"]["dtype"] = "float32"
-    raw["transformer_layer_config"]["sliding_window"] = 8
-    (draft / "config.json").write_text(json.dumps(raw))
-    head = load_draft(draft, FrozenTarget(str(tiny_target_dir), dtype="float32")).eval()
-    assert head.init_args["sliding_window"] == 8 and head.tap_layers == taps
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+def same_logits_as_speculators(head, target, draft: Path, tmp_path: Path, tiny_target_dir: Path, anchors=None) -> None:
+    from eval.check_export import compare, make_case, run_side
+
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     work = tmp_path / "side"
     work.mkdir()
-    case, ours, _ = make_case("trained", head, target, draft, "speculators", ids, None, work, str(tiny_target_dir))
+    case, ours, _ = make_case("trained", head, target, draft, "speculators", ids, anchors, work, str(tiny_target_dir))
     got = compare(ours, run_side([case], work)["trained"][0])
     assert got["max_abs_diff"] < 1e-4 and got["top1_agreement"] == 1.0, got
-    shutil.rmtree(tmp_path / "data", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_speculators_trained_head_imports_faithfully(tmp_path, tiny_target_dir, tiny_chats):
+    """A head of speculators' own EAGLE-3 trainer with its defaults (norm before fc, before the residual, normed
+    outputs, a sliding-window layer) through models.formats.load_draft: its TTT logits equal speculators' forward
+    (window shrunk to 8 so that it binds on the 40-token text)."""
+    side_or_skip()
+    from models.formats import load_draft
+    from models.target import FrozenTarget
+
+    ckpt, raw = train_with_speculators(tmp_path, tiny_target_dir, tiny_chats, "eagle3")
+    assert raw["norm_before_fc"] and raw["norm_output"] and raw["transformer_layer_config"]["layer_types"] == ["sliding_attention"]
+    raw["transformer_layer_config"]["sliding_window"] = 8
+    draft = fp32_copy(ckpt, raw, tmp_path / "draft")
+    target = FrozenTarget(str(tiny_target_dir), tap_layers=[0, 1, 2], dtype="float32")
+    head = load_draft(draft, FrozenTarget(str(tiny_target_dir), dtype="float32")).eval()
+    assert head.init_args["sliding_window"] == 8 and head.tap_layers == [0, 1, 2]
+    same_logits_as_speculators(head, target, draft, tmp_path, tiny_target_dir)
+
+
+@pytest.mark.slow
+def test_speculators_trained_dspark_imports_faithfully(tmp_path, tiny_target_dir, tiny_chats):
+    """A DSpark head of speculators' own trainer (eval.peer's DSpark settings; block 4 and Markov rank 32 on the tiny
+    target) through models.formats.load_draft: its block logits and confidence logits equal speculators' forward."""
+    side_or_skip()
+    from eval.check_export import default_anchors
+    from models.formats import load_draft
+    from models.target import FrozenTarget
+
+    ckpt, raw = train_with_speculators(tmp_path, tiny_target_dir, tiny_chats, "dspark",
+                                       {"draft.block_size": 4, "draft.markov_rank": 32})
+    assert raw["block_size"] == 4 and raw["sample_from_anchor"]
+    assert raw["transformer_layer_config"]["layer_types"] == ["full_attention"] * 2  # matched: full attention
+    target = FrozenTarget(str(tiny_target_dir), tap_layers=[0, 1, 2], dtype="float32")
+    draft = fp32_copy(ckpt, raw, tmp_path / "draft")
+    # its frozen lm_head is saved as the target's draft-vocabulary rows rounded to bf16; ours reads the target's own rows:
+    # the copy gets them exact, so both sides compute with the same weights
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(draft / "model.safetensors"))
+    rows = torch.arange(state["d2t"].numel()) + state["d2t"].long()
+    assert (state["lm_head.weight"] - target.lm_head().weight[rows]).abs().max() < 1e-2
+    state["lm_head.weight"] = target.lm_head().weight[rows].detach().clone()
+    save_file(state, str(draft / "model.safetensors"))
+    head = load_draft(draft, FrozenTarget(str(tiny_target_dir), dtype="float32")).eval()
+    assert head.family == "dspark" and head.block_size == 4 and head.tap_layers == [0, 1, 2]
+    same_logits_as_speculators(head, target, draft, tmp_path, tiny_target_dir, default_anchors(40, 4, 8))
+
+
+def peer_cfg(family: str = "eagle3", **over):
+    """conf/peer.yaml composed with a family and overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from conftest import ROOT
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("peer", overrides=[f"peer_family={family}", *(f"{k}={v}" for k, v in over.items())])
+
+
+def flags(argv: list[str]) -> dict[str, str]:
+    return {k: argv[i + 1] for i, k in enumerate(argv) if k.startswith("--") and i + 1 < len(argv)}
 
 
 def test_speculators_arguments_match_the_recipe(tmp_path):
     """Taps as hidden_states indices, the split at exactly the training rows, the packed row of batch × length tokens."""
-    from omegaconf import OmegaConf
-
     from eval.peer import speculators_argv
 
-    cfg = OmegaConf.create({"tap_layers": [1, 3, 4], "draft_vocab_size": 2048, "ttt_steps": 2, "step_decay": 0.8, "lr": 1e-3,
-                            "warmup_ratio": 0.04, "steps": 100, "batch_size": 8, "max_length": 384, "precision": "32", "seed": 0})
+    cfg = peer_cfg(steps=100)
     for rows, train in [(860, 835), (35, 28), (7, 6)]:
         argv = speculators_argv(cfg, tmp_path, tmp_path / "s", "verifier", rows, train)
-        arg = {k: argv[i + 1] for i, k in enumerate(argv) if k.startswith("--") and i + 1 < len(argv)}
+        arg = flags(argv)
         assert int(rows * float(arg["--train-data-ratio"])) == train
     i = argv.index("--target-layer-ids")
     assert argv[i + 1: i + 4] == ["2", "4", "5"]
     assert arg["--total-seq-len"] == "3072" and arg["--max-steps"] == "100" and arg["--ttt-steps"] == "2"
     assert arg["--hidden-states-dtype"] == "float32" and arg["--draft-vocab-size"] == "2048"
+    assert arg["--speculator-type"] == "eagle3" and arg["--num-layers"] == "1" and arg["--ttt-step-loss-decay"] == "0.8"
+
+
+@pytest.mark.parametrize("family", sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "peer_family").glob("*.yaml")))
+def test_each_family_trains_the_same_settings_on_both_sides(family, tmp_path):
+    """Every matched value reaches draftsmith's trainer as its key and speculators' as its flag, once each; the
+    draftsmith overrides compose into a training config of that family."""
+    from conftest import ROOT
+    from hydra import compose, initialize_config_dir
+
+    from eval.peer import recipe, speculators_argv
+
+    cfg = peer_cfg(family)
+    ours = recipe(cfg) + list(cfg.peer_family.draftsmith)
+    arg = flags(speculators_argv(cfg, tmp_path, tmp_path / "s", "verifier", 10, 9))
+    assert arg["--speculator-type"] == family
+    for key, (flag, value) in cfg.peer_family.matched.items():
+        assert f"{key}={value}" in ours and arg[flag] == str(value), key
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        train = compose("train", overrides=ours)
+    assert family in train.draft._target_.lower()
+    for key, (_, value) in cfg.peer_family.matched.items():
+        node = train
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, key
+
+
+def test_a_rerun_with_other_settings_is_refused(tmp_path):
+    """Stages are reused from out/: a rerun there with other training settings, or other evaluation settings, is
+    refused naming the keys and what to remove."""
+    from eval.peer import check_settings
+
+    check_settings(peer_cfg(), tmp_path)
+    check_settings(peer_cfg(), tmp_path)  # the same settings: fine
+    with pytest.raises(UserError, match=r"other limit; remove .*eval to redo"):
+        check_settings(peer_cfg(limit=3), tmp_path)
+    with pytest.raises(UserError, match=r"other k, peer_family; remove .* or give another name="):
+        check_settings(peer_cfg("dspark"), tmp_path)
 
 
 def test_bad_settings_give_one_line(tmp_path):
