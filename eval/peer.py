@@ -338,7 +338,8 @@ def page(report: dict, load: str) -> dict:
             ours, theirs = by_d["draftsmith"]["tau"], by_d["speculators"]["tau"]
             rows.append([SETS.get(sname, sname), tname.removeprefix("T="), f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}×"])
     d, s = report["trainers"]["draftsmith"], report["trainers"]["speculators"]
-    note = (f"Training, {d['steps']} steps each on the same {c['train_rows']} conversations: draftsmith "
+    note = (f"Training, {d['steps']} steps each on the same {c['train_rows']} conversations (draftsmith's padded batches "
+            f"held {d['train_tokens']:,} real tokens, speculators' packed rows {s['train_tokens']:,}): draftsmith "
             f"{d['tokens_per_s']:,.0f} tokens/s, speculators {s['tokens_per_s']:,.0f} tokens/s "
             f"({d['tokens_per_s'] / s['tokens_per_s']:.2f}×); peak memory {d['peak_memory_bytes'] / 2**20:,.0f} against "
             f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB ({d['memory_kind']}). Draft vocabulary of {c['draft_vocab_size']:,} "

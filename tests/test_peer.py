@@ -90,10 +90,13 @@ def test_sglang_export_refuses_the_variants_its_layer_lacks(tiny_target_dir, tmp
     """SGLang's EAGLE-3 layer has none of speculators' variants: exporting one there would serve another function."""
     from models.formats import export_draft
 
-    for over in [{"norm_before_fc": True}, {"norm_output": True}, {"sliding_window": 5}]:
+    for over, fix in [({"norm_before_fc": True}, "false"), ({"norm_before_residual": True}, "false"),
+                      ({"norm_output": True}, "false"), ({"sliding_window": 5}, "null")]:
+        key = next(iter(over))
         _, head = variant_head(tiny_target_dir, **over)
-        draft = head.export(tmp_path / f"draft-{next(iter(over))}")
-        with pytest.raises(UserError, match=rf"^format=sglang cannot hold this eagle3 draft: .*{next(iter(over))}.*format=speculators$"):
+        draft = head.export(tmp_path / f"draft-{key}")
+        with pytest.raises(UserError, match=rf"^format=sglang cannot hold this eagle3 draft: .*{key}.*format=speculators "
+                                            rf"\(vLLM\), or train it with draft\.{key}={fix} for SGLang$"):
             export_draft(draft, "sglang", tmp_path / "sgl")
         assert not (tmp_path / "sgl").exists()
     _, plain = variant_head(tiny_target_dir)

@@ -33,7 +33,8 @@ def _eagle3_export(head: Any, tc: Any, verifier: dict, dtype: str) -> tuple[dict
     variants = [k for k in VARIANTS if head.init_args.get(k)]
     if variants:  # SGLang's LlamaForCausalLMEagle3 has none of them: its layer would compute another function
         raise UserError(f"format=sglang cannot hold this eagle3 draft: SGLang's EAGLE-3 layer has no {', '.join(variants)} "
-                        "(speculators' variants); export it with format=speculators")
+                        "(speculators' variants); export it with format=speculators (vLLM), or train it with "
+                        + " ".join(f"draft.{k}={'null' if k == 'sliding_window' else 'false'}" for k in variants) + " for SGLang")
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], **layer_config("llama", d, tc, 1, dtype),
            "draft_vocab_size": d["draft_vocab_size"],
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_layer_ids(head.tap_layers, NAME),
