@@ -63,7 +63,8 @@ libraries, so compare it between the two trainers only as a rough figure).
   speculators from ones.
 - *Positions*: speculators' position ids start at 1 (``shift_batch``), draftsmith's at 0; RoPE is relative, so this
   changes no score.
-- *Variants*: speculators' defaults above; draftsmith's recipe has none of them.
+- *Variants*: speculators' defaults above; draftsmith's recipe (eagle3_quick) takes only ``norm_before_residual``, which
+  alone gave the gain of all three at 200 steps (docs/results.md, "EAGLE-3's residual norm").
 
 For DSpark the loss (0.1 CE + 0.9 TV + the confidence term), block, layers, Markov rank and slot weights are matched;
 not matched: speculators samples up to ``--max-anchors`` anchors per packed row, draftsmith up to ``num_anchors`` per
