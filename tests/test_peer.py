@@ -325,3 +325,22 @@ def test_bad_settings_give_one_line(tmp_path):
                            text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.strip().startswith(f"error: {field}"), r.stderr[-500:]
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_report_becomes_a_results_page_measurement(tmp_path):
+    """peer-page.json holds every field the results page requires and renders τ of both sides and their ratio."""
+    from eval.peer import page
+    from eval.results import load, section
+
+    cfg = {"peer_family": {"label": "DSpark"}, "target": "embedded", "out": "runs/peer/dspark", "limit": 10, "k": 8,
+           "max_new_tokens": 128}
+    trainer = {"steps": 200, "train_tokens": 1000, "tokens_per_s": 300.0, "peak_memory_bytes": 2**30, "memory_kind": "cpu"}
+    report = {"date": "2026-12-07", "machine": "a CPU", "command": "python -m eval.peer peer_family=dspark", "config": cfg,
+              "convert": {"train_rows": 9, "draft_vocab_size": 64, "argmax_outside_draft_vocab": 0.05},
+              "trainers": {"draftsmith": trainer, "speculators": {**trainer, "tokens_per_s": 150.0}},
+              "eval": {"results": {"mtbench": {"T=0": {"draftsmith": {"tau": 2.2}, "speculators": {"tau": 2.0}}}}}}
+    m = page(report, "alone")
+    (tmp_path / "m.json").write_text(json.dumps(m))
+    (m,) = load(tmp_path)
+    text = "\n".join(section(m))
+    assert m["title"].startswith("DSpark: ") and "| MT-Bench | 0 | 2.20 | 2.00 | 1.10× |" in text and "(2.00×)" in text
