@@ -353,13 +353,15 @@ def page(report: dict, load: str) -> dict:
 
 
 EVAL_ONLY = {"limit", "temperatures", "k", "max_new_tokens"}
+STAGE_OUTPUTS = ("features", "speculators-data", "speculators", "draftsmith", "eval")
 
 
 def check_settings(cfg: DictConfig, out: Path) -> None:
-    """Stages are reused from ``out``: refuse settings other than those that made them (``peer_settings.json``)."""
+    """Stages are reused from ``out``: refuse settings other than those that made them (``peer_settings.json``). Until
+    a stage has written something there (a run that failed before its first stage), new settings replace the old."""
     now = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in ("name", "out", "load")}
     path = out / "peer_settings.json"
-    if not path.exists():
+    if not path.exists() or not any((out / s).exists() for s in STAGE_OUTPUTS):
         write_json(path, now)
         return
     before = json.loads(path.read_text())

@@ -303,11 +303,13 @@ def test_each_family_trains_the_same_settings_on_both_sides(family, tmp_path):
 
 
 def test_a_rerun_with_other_settings_is_refused(tmp_path):
-    """Stages are reused from out/: a rerun there with other training settings, or other evaluation settings, is
-    refused naming the keys and what to remove."""
+    """Stages are reused from out/: once a stage has written there, a rerun with other training settings, or other
+    evaluation settings, is refused naming the keys and what to remove."""
     from eval.peer import check_settings
 
-    check_settings(peer_cfg(), tmp_path)
+    check_settings(peer_cfg("dspark"), tmp_path)
+    check_settings(peer_cfg(), tmp_path)  # no stage has written anything yet: the new settings replace the old
+    (tmp_path / "features").mkdir()  # the first stage's output
     check_settings(peer_cfg(), tmp_path)  # the same settings: fine
     with pytest.raises(UserError, match=r"other limit; remove .*eval to redo"):
         check_settings(peer_cfg(limit=3), tmp_path)
