@@ -1,8 +1,9 @@
 """``python -m eval.peer``: draftsmith's trainer beside vLLM's ``speculators`` trainer (0.9.0), on the same tokens,
-judged by one decoder, for a family both train (``conf/peer_family``: EAGLE-3, DSpark).
+judged by one decoder, for a family both train (``conf/peer_family``: EAGLE-3, DSpark, DFlash).
 
     python -m eval.peer                                   # conf/peer.yaml: EAGLE-3, the eagle3_quick recipe, 200 steps each
     python -m eval.peer peer_family=dspark                # DSpark, the dspark_quick recipe
+    python -m eval.peer peer_family=dflash                # DFlash from the anchor slot, the dflash_quick recipe
     python -m eval.peer steps=300 limit=10 precision=32
 
 A family file names speculators' ``--speculator-type``, draftsmith's recipe, the settings both sides train with
@@ -58,7 +59,9 @@ libraries, so compare it between the two trainers only as a rough figure).
 - *Packed vs padded batches*: speculators packs conversations into one row of ``total_seq_len`` tokens with
   document masks (``MultipackDistributedBatchSamplerV2``, ``speculators/train/data.py``'s ``CollateFn``; a
   conversation that does not fit is cut); draftsmith pads ``batch_size`` conversations of up to ``max_length``
-  (:func:`data.features.collate`). Same tokens per step on average, not the same batches.
+  (:func:`data.features.collate`). Same tokens per step on average, not the same batches. The report gives each
+  side's share of computed positions that were real tokens (``batch_fill``): the most packing could add to
+  draftsmith's tokens per second is the inverse of its share.
 - *Draft final norm*: draftsmith starts it from the target's final norm (:func:`models.layers.copy_final_norm`),
   speculators from ones.
 - *Positions*: speculators' position ids start at 1 (``shift_batch``), draftsmith's at 0; RoPE is relative, so this
@@ -69,6 +72,11 @@ libraries, so compare it between the two trainers only as a rough figure).
 For DSpark the loss (0.1 CE + 0.9 TV + the confidence term), block, layers, Markov rank and slot weights are matched;
 not matched: speculators samples up to ``--max-anchors`` anchors per packed row, draftsmith up to ``num_anchors`` per
 conversation (the same count per step on average), and the packing as above.
+
+For DFlash (the anchor-slot layout of draftsmith's recipe) the block, layers, slot weights and the anchor slot are
+matched; not matched: draftsmith's cross-entropy is against the data's next token (:func:`models.heads.dflash.block_targets`),
+speculators' against the target's distribution at that position (its ``_backbone_forward``); on the target's own
+greedy answers the two labels agree wherever the data is the target's argmax. Anchors and packing as for DSpark.
 """
 from __future__ import annotations
 
@@ -214,6 +222,13 @@ def recipe(cfg: DictConfig) -> list[str]:
             *[f"{key}={value}" for key, (_, value) in fam.matched.items()]]
 
 
+def flag_args(flag: str, value: Any) -> list[str]:
+    """A matched value under speculators' flag: ``[flag, value]``, or for a switch (a bool) ``--x`` / ``--no-x``."""
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag.removeprefix("--")]
+    return [flag, str(value)]
+
+
 def speculators_argv(cfg: DictConfig, data: Path, save: Path, verifier: str, rows: int, train_rows: int) -> list[str]:
     """``speculators train`` arguments matching the recipe (see the module docstring): the shared settings, the
     family's matched values under speculators' flags, and its speculators-only flags."""
@@ -223,7 +238,7 @@ def speculators_argv(cfg: DictConfig, data: Path, save: Path, verifier: str, row
     return ["--speculator-type", str(fam.speculator_type), "--verifier-name-or-path", verifier, "--data-path", str(data),
             "--target-layer-ids", *[str(i) for i in engine_layer_ids(list(cfg.tap_layers), "speculators")],
             "--draft-vocab-size", str(V), "--d2t-path", str(data / f"d2t-{V}.npy"), "--t2d-path", str(data / f"t2d-{V}.npy"),
-            *[str(x) for flag, value in fam.matched.values() for x in (flag, value)], *[str(x) for x in fam.speculators],
+            *[x for flag, value in fam.matched.values() for x in flag_args(str(flag), value)], *[str(x) for x in fam.speculators],
             "--lr", str(cfg.lr), "--weight-decay", "0", "--optimizer", "adamw", "--scheduler-type", "cosine",
             "--scheduler-warmup-ratio", str(cfg.warmup_ratio), "--max-steps", str(cfg.steps), "--epochs", str(cfg.steps),
             "--total-seq-len", str(int(cfg.batch_size) * int(cfg.max_length)),
@@ -266,7 +281,9 @@ def stage_speculators(cfg: DictConfig, out: Path, data: Path, info: dict) -> dic
         stats = json.loads(done.read_text())
         done.write_text(json.dumps({**stats, "wrapper": rss}, indent=2))
     s = json.loads(done.read_text())
+    positions = s["steps"] * int(cfg.batch_size) * int(cfg.max_length)  # one packed row of total_seq_len a step
     return {"draft": s["checkpoint"], "steps": s["steps"], "train_tokens": s["tokens"], "train_seconds": round(s["train_seconds"], 1),
+            "batch_fill": round(s["tokens"] / positions, 4),
             "tokens_per_s": round(s["tokens"] / max(s["train_seconds"], 1e-9), 1), "peak_memory_bytes": s["peak_memory_bytes"],
             "memory_kind": s["memory_kind"], "device": s["device"]}
 
@@ -285,7 +302,8 @@ def stage_draftsmith(cfg: DictConfig, out: Path, features: Path) -> dict:
         (run / "peer_train.json").write_text(json.dumps({**json.loads((run / "result.json").read_text()), "wrapper": rss}))
     r = json.loads(done.read_text())
     return {"draft": str(run / "draft"), "steps": r["global_step"], "train_tokens": r["train_tokens"],
-            "train_seconds": r["train_time_s"], "tokens_per_s": round(r["train_tokens"] / max(r["train_time_s"], 1e-9), 1),
+            "train_seconds": r["train_time_s"], "batch_fill": round(r["train_tokens"] / r["train_positions"], 4)
+            if r.get("train_positions") else None, "tokens_per_s": round(r["train_tokens"] / max(r["train_time_s"], 1e-9), 1),
             "peak_memory_bytes": r["wrapper"]["peak_rss_bytes"], "memory_kind": "cpu peak resident set",
             "device": "cuda" if torch.cuda.is_available() else "cpu"}
 
@@ -315,9 +333,11 @@ def table(report: dict) -> str:
                 if r:
                     acc = ", ".join("–" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"])
                     lines.append(f"| {sname} | {tname} | {d} | {r['tau']:.2f} | {acc} |")
-    lines += ["", "| trainer | steps | training tokens | seconds | tokens/s | peak memory (MiB) | memory |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| trainer | steps | training tokens | real share of positions | seconds | tokens/s | peak memory (MiB) | memory |",
+              "|---|---|---|---|---|---|---|---|"]
     for d, t in report["trainers"].items():
-        lines.append(f"| {d} | {t['steps']} | {t['train_tokens']:,} | {t['train_seconds']} | {t['tokens_per_s']:,} | "
+        share = f"{t['batch_fill']:.1%}" if t.get("batch_fill") else "–"
+        lines.append(f"| {d} | {t['steps']} | {t['train_tokens']:,} | {share} | {t['train_seconds']} | {t['tokens_per_s']:,} | "
                      f"{t['peak_memory_bytes'] / 2**20:,.0f} | {t['memory_kind']} |")
     c = report["convert"]
     lines += ["", f"Same tokens: {c['train_rows']} training conversations ({c['rows']} rows with the held-out ones, "
@@ -342,7 +362,7 @@ def page(report: dict, load: str) -> dict:
     note = (f"Training, {d['steps']} steps each on the same {c['train_rows']} conversations (draftsmith's padded batches "
             f"held {d['train_tokens']:,} real tokens, speculators' packed rows {s['train_tokens']:,}): draftsmith "
             f"{d['tokens_per_s']:,.0f} tokens/s, speculators {s['tokens_per_s']:,.0f} tokens/s "
-            f"({d['tokens_per_s'] / s['tokens_per_s']:.2f}×); peak memory {d['peak_memory_bytes'] / 2**20:,.0f} against "
+            f"({d['tokens_per_s'] / s['tokens_per_s']:.2f}×){fill(d, s)}; peak memory {d['peak_memory_bytes'] / 2**20:,.0f} against "
             f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB ({d['memory_kind']}). Draft vocabulary of {c['draft_vocab_size']:,} "
             f"tokens (the target's argmax outside it at {c['argmax_outside_draft_vocab']:.1%} of scored positions). "
             f"{cfg['limit']} prompts a set, k={cfg['k']}, {cfg['max_new_tokens']} new tokens.")
@@ -350,6 +370,14 @@ def page(report: dict, load: str) -> dict:
             f"({cfg['target']} target)", "date": report["date"], "machine": report["machine"], "load": load,
             "command": report["command"], "source": str(Path(cfg["out"]) / "peer.json"),
             "table": {"header": ["set", "T", "τ draftsmith", "τ speculators", "ratio"], "rows": rows}, "note": note}
+
+
+def fill(d: dict, s: dict) -> str:
+    """What packing is worth, in words: the share of computed positions that were real tokens on each side."""
+    if not d.get("batch_fill") or not s.get("batch_fill"):
+        return ""
+    return (f"; real tokens were {d['batch_fill']:.1%} of the positions of draftsmith's padded batches and "
+            f"{s['batch_fill']:.1%} of speculators' packed rows")
 
 
 EVAL_ONLY = {"limit", "temperatures", "k", "max_new_tokens"}

@@ -218,17 +218,21 @@ def test_speculators_trained_head_imports_faithfully(tmp_path, tiny_target_dir, 
     same_logits_as_speculators(head, target, draft, tmp_path, tiny_target_dir)
 
 
+BLOCK_PEERS = {"dspark": {"draft.block_size": 4, "draft.markov_rank": 32}, "dflash": {"draft.block_size": 4}}
+
+
 @pytest.mark.slow
-def test_speculators_trained_dspark_imports_faithfully(tmp_path, tiny_target_dir, tiny_chats):
-    """A DSpark head of speculators' own trainer (eval.peer's DSpark settings; block 4 and Markov rank 32 on the tiny
-    target) through models.formats.load_draft: its block logits and confidence logits equal speculators' forward."""
+@pytest.mark.parametrize("family", sorted(BLOCK_PEERS))
+def test_speculators_trained_block_head_imports_faithfully(family, tmp_path, tiny_target_dir, tiny_chats):
+    """A block head of speculators' own trainer (eval.peer's settings of the family; block 4, and for DSpark Markov rank
+    32, on the tiny target) through models.formats.load_draft: its block logits (and DSpark's confidence logits) equal
+    speculators' forward."""
     side_or_skip()
     from eval.check_export import default_anchors
     from models.formats import load_draft
     from models.target import FrozenTarget
 
-    ckpt, raw = train_with_speculators(tmp_path, tiny_target_dir, tiny_chats, "dspark",
-                                       {"draft.block_size": 4, "draft.markov_rank": 32})
+    ckpt, raw = train_with_speculators(tmp_path, tiny_target_dir, tiny_chats, family, BLOCK_PEERS[family])
     assert raw["block_size"] == 4 and raw["sample_from_anchor"]
     assert raw["transformer_layer_config"]["layer_types"] == ["full_attention"] * 2  # matched: full attention
     target = FrozenTarget(str(tiny_target_dir), tap_layers=[0, 1, 2], dtype="float32")
@@ -243,7 +247,7 @@ def test_speculators_trained_dspark_imports_faithfully(tmp_path, tiny_target_dir
     state["lm_head.weight"] = target.lm_head().weight[rows].detach().clone()
     save_file(state, str(draft / "model.safetensors"))
     head = load_draft(draft, FrozenTarget(str(tiny_target_dir), dtype="float32")).eval()
-    assert head.family == "dspark" and head.block_size == 4 and head.tap_layers == [0, 1, 2]
+    assert head.family == family and head.block_size == 4 and head.tap_layers == [0, 1, 2] and head.first_slot == 0
     same_logits_as_speculators(head, target, draft, tmp_path, tiny_target_dir, default_anchors(40, 4, 8))
 
 
@@ -288,10 +292,16 @@ def test_each_family_trains_the_same_settings_on_both_sides(family, tmp_path):
 
     cfg = peer_cfg(family)
     ours = recipe(cfg) + list(cfg.peer_family.draftsmith)
-    arg = flags(speculators_argv(cfg, tmp_path, tmp_path / "s", "verifier", 10, 9))
+    argv = speculators_argv(cfg, tmp_path, tmp_path / "s", "verifier", 10, 9)
+    arg = flags(argv)
     assert arg["--speculator-type"] == family
     for key, (flag, value) in cfg.peer_family.matched.items():
-        assert f"{key}={value}" in ours and arg[flag] == str(value), key
+        assert f"{key}={value}" in ours, key
+        if isinstance(value, bool):  # a switch: --x or --no-x, no value
+            on, off = flag, "--no-" + flag.removeprefix("--")
+            assert (on if value else off) in argv and (off if value else on) not in argv, key
+        else:
+            assert arg[flag] == str(value), key
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         train = compose("train", overrides=ours)
     assert family in train.draft._target_.lower()
@@ -339,10 +349,12 @@ def test_the_report_becomes_a_results_page_measurement(tmp_path):
     trainer = {"steps": 200, "train_tokens": 1000, "tokens_per_s": 300.0, "peak_memory_bytes": 2**30, "memory_kind": "cpu"}
     report = {"date": "2026-12-07", "machine": "a CPU", "command": "python -m eval.peer peer_family=dspark", "config": cfg,
               "convert": {"train_rows": 9, "draft_vocab_size": 64, "argmax_outside_draft_vocab": 0.05},
-              "trainers": {"draftsmith": trainer, "speculators": {**trainer, "tokens_per_s": 150.0}},
+              "trainers": {"draftsmith": {**trainer, "batch_fill": 0.8},
+                           "speculators": {**trainer, "tokens_per_s": 150.0, "batch_fill": 0.95}},
               "eval": {"results": {"mtbench": {"T=0": {"draftsmith": {"tau": 2.2}, "speculators": {"tau": 2.0}}}}}}
     m = page(report, "alone")
     (tmp_path / "m.json").write_text(json.dumps(m))
     (m,) = load(tmp_path)
     text = "\n".join(section(m))
     assert m["title"].startswith("DSpark: ") and "| MT-Bench | 0 | 2.20 | 2.00 | 1.10× |" in text and "(2.00×)" in text
+    assert "80.0% of the positions of draftsmith's padded batches and 95.0% of speculators' packed rows" in text

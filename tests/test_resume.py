@@ -61,6 +61,7 @@ def test_stopped_and_resumed_equals_uninterrupted(tiny_target_dir, tiny_chats, t
     resumed = run(compose_train(over("resumed", "ckpt_path=last")))
     assert resumed["global_step"] == straight["global_step"] == 14
     assert resumed["train_tokens"] == straight["train_tokens"]
+    assert resumed["train_positions"] == straight["train_positions"] >= straight["train_tokens"]  # padding included
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
     print(f"{draft}: tokens {straight['train_tokens']} vs {resumed['train_tokens']}, max weight diff {diff:.2e}")

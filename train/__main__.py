@@ -262,7 +262,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     result = {"run_dir": str(run_dir), "global_step": trainer.global_step, "best_checkpoint": best,
               "train_time_s": round(module.train_time_s, 1),
               "trainable_params": sum(p.numel() for p in head.parameters() if p.requires_grad),
-              "train_tokens": module.train_tokens, **val}
+              "train_tokens": module.train_tokens, "train_positions": module.train_positions, **val}
     if trainer.is_global_zero:
         result["export"] = str(out)
         write_json(run_dir / "result.json", result)

@@ -38,6 +38,7 @@ class DraftModule(L.LightningModule):
         self._val_correct = self._val_total = self._val_accepted = None
         self._time_before, self._t0 = 0.0, None  # training wall time of earlier (resumed) runs, start of this one
         self.train_tokens = 0  # non-padding tokens seen by training steps (this rank), kept in checkpoints
+        self.train_positions = 0  # positions of those batches, padding included: tokens / positions is the batches' fill
         self.loaded_val_metrics: dict[str, float] = {}  # the last validation's val/* of the checkpoint resumed from
         self._rng_to_restore = None  # RNG states of the checkpoint, applied when training (re)starts
 
@@ -76,6 +77,7 @@ class DraftModule(L.LightningModule):
             self.log("train/acc_len_t1", expected_acceptance_length(out.accepted / out.total.clamp_min(1)))
         n = int(batch["attention_mask"].sum())
         self.train_tokens += n
+        self.train_positions += batch["attention_mask"].numel()
         self.log("train/tokens", float(n), reduce_fx="sum")
         for k, v in out.metrics.items():
             self.log(f"train/{k}", v)
@@ -131,6 +133,7 @@ class DraftModule(L.LightningModule):
     def on_save_checkpoint(self, ckpt: dict) -> None:
         ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if not k.startswith("target.")}
         ckpt["train_time_s"], ckpt["train_tokens"] = self.train_time_s, self.train_tokens
+        ckpt["train_positions"] = self.train_positions
         ckpt["draft"] = {"family": self.head.family, "class": f"{type(self.head).__module__}.{type(self.head).__qualname__}"}
         metrics = self.trainer.callback_metrics if self._trainer is not None else {}
         ckpt["val_metrics"] = {**self.loaded_val_metrics,
@@ -141,6 +144,7 @@ class DraftModule(L.LightningModule):
     def on_load_checkpoint(self, ckpt: dict) -> None:
         self._time_before = float(ckpt.get("train_time_s", 0.0))
         self.train_tokens = int(ckpt.get("train_tokens", 0))
+        self.train_positions = int(ckpt.get("train_positions", 0))
         self.loaded_val_metrics = dict(ckpt.get("val_metrics") or {})
         self._rng_to_restore = rng_state_of_this_rank(ckpt)
 

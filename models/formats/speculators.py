@@ -252,13 +252,14 @@ def _eagle3_logits(head: Any, target: Any, b: dict, anchors: torch.Tensor | None
 
 @torch.no_grad()
 def _block_logits(head: Any, target: Any, b: dict, anchors: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Block logits at ``anchors``, [1, N·blk, V] (DSpark: with its Markov bias, plus the confidence logits)."""
+    """Block logits at ``anchors``, [1, N·blk, V] or over the draft vocabulary [1, N·blk, Vd] where the head has one
+    (DSpark: with its Markov bias, plus the confidence logits)."""
     ids = b["input_ids"]
     feats = target(ids, return_logits=True)
     ok = torch.ones(1, anchors.numel(), dtype=torch.bool)
     h = head.block_hidden(ids, anchors[None], ok, feats.tap_states)  # [1, N, blk, d]
     if not hasattr(head, "slot_outputs"):
-        return {"logits": head.lm_head(h).flatten(1, 2)}
+        return {"logits": head.rows_logits(h).flatten(1, 2)}
     pos = anchors[:, None] + torch.arange(head.block_size)
     logits, conf = head.slot_outputs(h, ids[0, pos][None])
     return {"logits": logits.flatten(1, 2), "confidence": conf.flatten(1)}
