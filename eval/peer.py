@@ -222,6 +222,12 @@ def recipe(cfg: DictConfig) -> list[str]:
             *[f"{key}={value}" for key, (_, value) in fam.matched.items()]]
 
 
+def packed_row(cfg: DictConfig) -> int:
+    """Tokens of speculators' one packed row a step (``--total-seq-len``): draftsmith's batch of ``batch_size`` ×
+    ``max_length``."""
+    return int(cfg.batch_size) * int(cfg.max_length)
+
+
 def flag_args(flag: str, value: Any) -> list[str]:
     """A matched value under speculators' flag: ``[flag, value]``, or for a switch (a bool) ``--x`` / ``--no-x``."""
     if isinstance(value, bool):
@@ -241,7 +247,7 @@ def speculators_argv(cfg: DictConfig, data: Path, save: Path, verifier: str, row
             *[x for flag, value in fam.matched.values() for x in flag_args(str(flag), value)], *[str(x) for x in fam.speculators],
             "--lr", str(cfg.lr), "--weight-decay", "0", "--optimizer", "adamw", "--scheduler-type", "cosine",
             "--scheduler-warmup-ratio", str(cfg.warmup_ratio), "--max-steps", str(cfg.steps), "--epochs", str(cfg.steps),
-            "--total-seq-len", str(int(cfg.batch_size) * int(cfg.max_length)),
+            "--total-seq-len", str(packed_row(cfg)),
             "--train-data-ratio", str((train_rows + 0.5) / rows), "--hidden-states-dtype",
             "bfloat16" if str(cfg.precision) == "bf16-mixed" else "float32", "--num-workers", "0", "--on-missing", "raise",
             "--save-path", str(save), "--log-dir", str(save / "logs"), "--no-resume-from-checkpoint", "--seed", str(cfg.seed),
@@ -281,9 +287,8 @@ def stage_speculators(cfg: DictConfig, out: Path, data: Path, info: dict) -> dic
         stats = json.loads(done.read_text())
         done.write_text(json.dumps({**stats, "wrapper": rss}, indent=2))
     s = json.loads(done.read_text())
-    positions = s["steps"] * int(cfg.batch_size) * int(cfg.max_length)  # one packed row of total_seq_len a step
     return {"draft": s["checkpoint"], "steps": s["steps"], "train_tokens": s["tokens"], "train_seconds": round(s["train_seconds"], 1),
-            "batch_fill": round(s["tokens"] / positions, 4),
+            "batch_fill": round(s["tokens"] / (s["steps"] * packed_row(cfg)), 4),
             "tokens_per_s": round(s["tokens"] / max(s["train_seconds"], 1e-9), 1), "peak_memory_bytes": s["peak_memory_bytes"],
             "memory_kind": s["memory_kind"], "device": s["device"]}
 
@@ -301,9 +306,10 @@ def stage_draftsmith(cfg: DictConfig, out: Path, features: Path) -> dict:
         rss = measured(cmd, out / "draftsmith.log")
         (run / "peer_train.json").write_text(json.dumps({**json.loads((run / "result.json").read_text()), "wrapper": rss}))
     r = json.loads(done.read_text())
+    share = round(r["train_tokens"] / r["train_positions"], 4) if r.get("train_positions") else None  # older runs lack it
     return {"draft": str(run / "draft"), "steps": r["global_step"], "train_tokens": r["train_tokens"],
-            "train_seconds": r["train_time_s"], "batch_fill": round(r["train_tokens"] / r["train_positions"], 4)
-            if r.get("train_positions") else None, "tokens_per_s": round(r["train_tokens"] / max(r["train_time_s"], 1e-9), 1),
+            "train_seconds": r["train_time_s"], "batch_fill": share,
+            "tokens_per_s": round(r["train_tokens"] / max(r["train_time_s"], 1e-9), 1),
             "peak_memory_bytes": r["wrapper"]["peak_rss_bytes"], "memory_kind": "cpu peak resident set",
             "device": "cuda" if torch.cuda.is_available() else "cpu"}
 
