@@ -73,10 +73,10 @@ For DSpark the loss (0.1 CE + 0.9 TV + the confidence term), block, layers, Mark
 not matched: speculators samples up to ``--max-anchors`` anchors per packed row, draftsmith up to ``num_anchors`` per
 conversation (the same count per step on average), and the packing as above.
 
-For DFlash (the anchor-slot layout of draftsmith's recipe) the block, layers, slot weights and the anchor slot are
-matched; not matched: draftsmith's cross-entropy is against the data's next token (:func:`models.heads.dflash.block_targets`),
-speculators' against the target's distribution at that position (its ``_backbone_forward``); on the target's own
-greedy answers the two labels agree wherever the data is the target's argmax. Anchors and packing as for DSpark.
+For DFlash (the anchor-slot layout of draftsmith's recipe) the block, layers, slot weights, the anchor slot and the
+labels (both score against the target's distribution: draftsmith's ``draft.soft``, speculators' ``_backbone_forward``)
+are matched; anchors and packing as for DSpark. Against the data's next token the target's distribution drafted 2–8%
+further at both temperatures (docs/results.md, "DFlash's labels").
 """
 from __future__ import annotations
 

@@ -63,3 +63,23 @@ def test_draft_vocabulary_loss_is_the_full_heads_on_its_rows(name, monkeypatch):
     b["input_ids"][:, 10:] += 48  # labels outside the vocabulary are not scored, and nothing goes non-finite
     assert torch.isfinite(head.training_loss(b, target(b["input_ids"], attention_mask=b["attention_mask"],
                                                       return_logits=True)).loss)
+
+
+@pytest.mark.parametrize("name", ["dflash", "dflash_anchor"])
+def test_soft_labels_on_a_one_hot_target_are_the_data_labels(name):
+    """``soft``: the cross-entropy against the target's distribution for each slot's token equals the data-label
+    loss where the target puts all its mass on the data's next token, and differs where it does not."""
+    target, head = make_head(ROOT / "conf" / "draft" / f"{name}.yaml")
+    b = batch()
+    feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
+    nxt = torch.roll(b["input_ids"], -1, dims=1)  # [B, T] the data's token after each position
+    sharp = torch.full_like(feats.logits, -1e4).scatter(-1, nxt[..., None], 0.0)  # [B, T, V] one-hot on it
+    torch.manual_seed(3)
+    hard = head.training_loss(b, feats).loss
+    feats.logits = sharp
+    head.soft = True
+    torch.manual_seed(3)
+    torch.testing.assert_close(head.training_loss(b, feats).loss, hard)
+    feats.logits = torch.randn_like(sharp)
+    torch.manual_seed(3)
+    assert not torch.allclose(head.training_loss(b, feats).loss, hard)
