@@ -33,7 +33,7 @@ def test_confidence_target_and_metrics_in_range():
 def test_draft_vocabulary_loss_is_the_full_heads_on_its_rows(name, monkeypatch):
     """``draft_vocab_size``: the loss reads only the vocabulary's rows of the frozen head (and of W2); it equals the full
     head's loss with −inf outside the vocabulary (DSpark's TV then counts the target's mass there whole)."""
-    over = {"markov_rank": 8} if name == "dspark" else {}
+    over = {"markov_rank": 8} if name == "dspark" else {"soft": False}  # the data's token: its rows are the vocabulary's
     target, head = make_head(ROOT / "conf" / "draft" / f"{name}.yaml", draft_vocab_size=48, **over)
     head.prepare_from_data(torch.arange(128, 0, -1).float())  # ids 0..47 the most frequent
     assert head.draft_ids().tolist() == list(range(48)) and int(head.t2i[47]) == 47 and int(head.t2i[48]) == -1
@@ -69,7 +69,7 @@ def test_draft_vocabulary_loss_is_the_full_heads_on_its_rows(name, monkeypatch):
 def test_soft_labels_on_a_one_hot_target_are_the_data_labels(name):
     """``soft``: the cross-entropy against the target's distribution for each slot's token equals the data-label
     loss where the target puts all its mass on the data's next token, and differs where it does not."""
-    target, head = make_head(ROOT / "conf" / "draft" / f"{name}.yaml")
+    target, head = make_head(ROOT / "conf" / "draft" / f"{name}.yaml", soft=False)
     b = batch()
     feats = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
     nxt = torch.roll(b["input_ids"], -1, dims=1)  # [B, T] the data's token after each position
