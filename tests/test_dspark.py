@@ -83,3 +83,6 @@ def test_soft_labels_on_a_one_hot_target_are_the_data_labels(name):
     feats.logits = torch.randn_like(sharp)
     torch.manual_seed(3)
     assert not torch.allclose(head.training_loss(b, feats).loss, hard)
+    _, vocab_head = make_head(ROOT / "conf" / "draft" / f"{name}.yaml", draft_vocab_size=48)  # soft on a draft vocabulary
+    vocab_head.prepare_from_data(torch.arange(128, 0, -1).float())
+    assert torch.isfinite(vocab_head.training_loss(b, feats).loss)

@@ -214,8 +214,9 @@ class DFlashHead(FrozenRows, DraftHead):
         z = self.rows_logits(h[rows]).float()  # [M, Vd] (or [M, V])
         b, at = rows[0], before[rows]  # [M] each
         if self.soft:  # the target's distribution for the slot's token, renormalised on the head's vocabulary
-            t = feats.logits[b, at].float()  # [M, V]
-            ce, keep = row_ce(z, teacher=t[:, self.draft_ids()] if self.draft_vocab_size else t), 1.0  # [M]
+            t = feats.logits[b, at]  # [M, V]
+            t = t[:, self.draft_ids()] if self.draft_vocab_size else t  # [M, Vd]: the columns first, then the cast
+            ce, keep = row_ce(z, teacher=t.float()), 1.0  # [M]
         else:
             lab, keep = self.draft_labels(labels[rows])  # [M] columns of z; keep: the label is draftable
             ce = row_ce(z, labels=lab)  # [M]
