@@ -155,7 +155,31 @@ class TargetOutput:
 
     tap_states: torch.Tensor          # [B, T, n_taps, d]
     last_state: torch.Tensor          # [B, T, d]  final-norm output (feeds lm_head)
-    logits: torch.Tensor | None = None  # [B, T, V] only when asked
+    logits: torch.Tensor | None = None  # [B, T, V] where the forward was asked for them (or all_logits made them)
+    lm_head: Any = None               # the target's output layer: logits on demand, at every row or at some
+
+    @torch.no_grad()
+    def all_logits(self) -> torch.Tensor:
+        """The target's logits at every position [B, T, V], computed once from ``last_state`` if not given."""
+        if self.logits is None:
+            self.logits = self._head()(self.last_state)
+        return self.logits
+
+    @torch.no_grad()
+    def logits_at(self, b: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits at rows ``(b[i], t[i])`` [M] → (``z`` [U, V], ``inv`` [M]): row i's logits are
+        ``z[inv[i]]``. Without ``logits`` only the U distinct rows go through ``lm_head``: a loss that reads some
+        rows (the block drafters' scored slots) pays for those, not for B·T·d·V multiply-adds."""
+        if self.logits is not None:
+            return self.logits[b, t], torch.arange(b.numel(), device=b.device)
+        T = self.last_state.shape[1]
+        uniq, inv = torch.unique(b * T + t, return_inverse=True)  # [U], [M]
+        return self._head()(self.last_state.flatten(0, 1)[uniq]), inv
+
+    def _head(self) -> Any:
+        if self.lm_head is None:
+            raise ValueError("TargetOutput has neither logits nor lm_head: build it with lm_head=target.model.lm_head")
+        return self.lm_head
 
 
 class FrozenTarget(nn.Module):
@@ -281,7 +305,7 @@ class FrozenTarget(nn.Module):
         taps = torch.stack([got[i] for i in self.tap_layers], dim=2)  # [B, T, n_taps, d]
         last = out.last_hidden_state  # [B, T, d], after the final norm
         logits = self.model.lm_head(last) if return_logits else None
-        return TargetOutput(tap_states=taps, last_state=last, logits=logits)
+        return TargetOutput(tap_states=taps, last_state=last, logits=logits, lm_head=self.model.lm_head)
 
 
 def random_target(name_or_path: str = "random-llama", dtype: str = "bfloat16", tap_layers: Sequence[int] | None = None,

@@ -65,6 +65,24 @@ def test_head_loss_gradients_and_frozen_parts(cfg_path):
 
 
 @pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
+def test_the_loss_is_the_same_with_target_logits_given_or_made_from_the_final_state(cfg_path):
+    """Training reads an offline cache without logits: a head asks the target for them (all, or at its rows)."""
+    from dataclasses import replace
+
+    over = {"draft_vocab_size": 96} if "draft_vocab_size" in OmegaConf.load(cfg_path) else {}
+    target, head = make_head(cfg_path, **over)
+    head.prepare_from_data(torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(5)))  # token counts
+    b = batch()
+    given = target(b["input_ids"], attention_mask=b["attention_mask"], return_logits=True)
+    outs = []
+    for feats in (given, replace(given, logits=None)):
+        torch.manual_seed(3)  # block heads draw their anchors
+        outs.append(head.training_loss(b, feats))
+    torch.testing.assert_close(outs[1].loss, outs[0].loss)
+    assert torch.equal(outs[1].correct, outs[0].correct) and torch.equal(outs[1].total, outs[0].total)
+
+
+@pytest.mark.parametrize("cfg_path", DRAFT_CONFIGS, ids=lambda p: p.stem)
 def test_reads_taps_says_whether_the_loss_depends_on_the_tap_states(cfg_path):
     """``reads_taps=False`` lets a head train from a cache written with any taps: true only if its loss ignores them."""
     from dataclasses import replace

@@ -125,3 +125,18 @@ def test_a_tap_engines_do_not_collect_is_refused():
     with pytest.raises(UserError, match=r"tap_layers=\[1, 3, 5\]: tap 5 is the output of the last decoder layer.*0\.\.4"):
         check_collectable([1, 3, 5], 6)
     check_collectable([1, 3, 4], 6)
+
+
+def test_logits_at_some_rows_run_the_output_layer_on_those_rows_once():
+    target = FrozenTarget(model=tiny_model("llama"), tap_layers=[1])
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    out = target(ids)
+    assert out.logits is None
+    seen = []
+    head = out.lm_head
+    out.lm_head = lambda x: (seen.append(x.shape[0]), head(x))[1]
+    b, t = torch.tensor([1, 0, 1, 1, 0]), torch.tensor([3, 9, 3, 0, 9])  # 3 distinct rows, 5 asked
+    z, inv = out.logits_at(b, t)
+    assert seen == [3] and z.shape == (3, 128) and inv.shape == (5,)
+    torch.testing.assert_close(z[inv], target(ids, return_logits=True).logits[b, t])
+    torch.testing.assert_close(out.all_logits(), target(ids, return_logits=True).logits)

@@ -55,14 +55,13 @@ class DraftModule(L.LightningModule):
 
     # -- features -------------------------------------------------------------------------------
     def features(self, batch: dict[str, torch.Tensor]) -> TargetOutput:
-        """Target features for a batch: from the batch (offline cache) or from the frozen target (online)."""
-        need_logits = self.head.needs_teacher_logits
+        """Target features for a batch: from the batch (offline cache) or from the frozen target (online). The
+        target's logits are left to the head: made from the final state at the rows its loss reads."""
         if "tap_states" in batch:
-            last = batch["last_state"].float()
-            logits = self.target.model.lm_head(last) if need_logits else None
-            return TargetOutput(tap_states=batch["tap_states"].float(), last_state=last, logits=logits)
+            return TargetOutput(tap_states=batch["tap_states"].float(), last_state=batch["last_state"].float(),
+                                lm_head=self.target.model.lm_head)
         with torch.no_grad():
-            return self.target(batch["input_ids"], attention_mask=batch["attention_mask"], return_logits=need_logits)
+            return self.target(batch["input_ids"], attention_mask=batch["attention_mask"])
 
     def _step(self, batch: dict[str, torch.Tensor]):
         return self.head.training_loss(batch, self.features(batch))

@@ -213,19 +213,19 @@ class DFlashHead(FrozenRows, DraftHead):
         rows = (w > 0).nonzero(as_tuple=True)  # the M scored slots: only they are projected onto the vocabulary
         z = self.rows_logits(h[rows]).float()  # [M, Vd] (or [M, V])
         b, at = rows[0], before[rows]  # [M] each
+        t, inv = feats.logits_at(b, at)  # [U, V] the target's at the distinct predicting positions, [M] into them
+        t_top = t.argmax(-1)  # [U] the target's top-1 for each slot's token
         if self.soft:  # the target's distribution for the slot's token, renormalised on the head's vocabulary
-            t = feats.logits[b, at]  # [M, V]
-            t = t[:, self.draft_ids()] if self.draft_vocab_size else t  # [M, Vd]: the columns first, then the cast
-            ce, keep = row_ce(z, teacher=t.float()), 1.0  # [M]
+            t = t[:, self.draft_ids()] if self.draft_vocab_size else t  # [U, Vd]: the columns first, then the cast
+            ce, keep = row_ce(z, teacher=t.float()[inv]), 1.0  # [M]
         else:
             lab, keep = self.draft_labels(labels[rows])  # [M] columns of z; keep: the label is draftable
             ce = row_ce(z, labels=lab)  # [M]
         loss = (ce * w[rows] * keep).sum() / float(max(b.numel(), 1))
         with torch.no_grad():
-            t_top = feats.logits.argmax(-1)  # [B, T]: the target's top-1 for the token after each position
             slot, first = rows[2], self.first_slot  # [M]; without anchor_slot slot 0 is never scored
             blk = w.shape[-1]
-            hit = (self.column_ids(z.argmax(-1)) == t_top[b, at]).float()
+            hit = (self.column_ids(z.argmax(-1)) == t_top[inv]).float()
             correct = torch.bincount(slot, weights=hit, minlength=blk)[first:].float()
             total = torch.bincount(slot, minlength=blk)[first:].float()
         return HeadOutput(loss=loss, correct=correct, total=total)

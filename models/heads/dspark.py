@@ -80,13 +80,15 @@ class DSparkHead(DFlashHead):
         rows = (w > 0).nonzero(as_tuple=True)  # the M scored slots: only they are projected onto the vocabulary
         logits, conf = self.slot_outputs(h[rows], prev[rows])  # [M, V], [M]
         b = rows[0]
-        p_t = torch.softmax(feats.logits[b, posc.view_as(labels)[rows]].float(), -1)  # [M, V] the target's for token pos+1
+        t, inv = feats.logits_at(b, posc.view_as(labels)[rows])  # [U, V] the target's for token pos+1, [M] into them
+        t_top = t.argmax(-1)[inv]  # [M]
         p_d = torch.softmax(logits.float(), -1)  # [M, Vd or V]
-        t_top = p_t.argmax(-1)  # [M]
         if self.draft_vocab_size:  # the draft puts no mass outside its vocabulary: that mass counts whole in TV
-            p_t = p_t[:, self.draft_ids()]  # [M, Vd]
+            lse = torch.logsumexp(t.float(), -1, keepdim=True)  # [U, 1]
+            p_t = (t[:, self.draft_ids()].float() - lse).exp()[inv]  # [M, Vd]
             tv = 0.5 * ((p_d - p_t).abs().sum(-1) + (1 - p_t.sum(-1)).clamp(min=0))  # [M]
         else:
+            p_t = torch.softmax(t.float(), -1)[inv]  # [M, V]
             tv = 0.5 * (p_d - p_t).abs().sum(-1)  # [M]
         lab, keep = self.draft_labels(labels[rows])
         ce = row_ce(logits, labels=lab) * keep  # [M]: a label outside the draft vocabulary is not scored

@@ -242,7 +242,7 @@ class Eagle3Head(DraftHead):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
         B, T = ids.shape
-        t_logits = feats.logits  # [B, T, V] target logits
+        t_logits = feats.all_logits()  # [B, T, V] target logits
         t_top = t_logits.argmax(-1)  # [B, T]
         t_draft = t_logits[..., self.draft_ids()].float()  # [B, T, Vd]
         t_probs = torch.softmax(t_draft, dim=-1)  # [B, T, Vd] on the draft vocabulary

@@ -180,7 +180,7 @@ class MedusaHead(DraftHead):
     def training_loss(self, batch: dict[str, torch.Tensor], feats: Any) -> HeadOutput:
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # [B, T]
         valid = batch.get("attention_mask", torch.ones_like(ids))
-        t_top = feats.logits.argmax(-1)  # [B, T]
+        t_top = feats.all_logits().argmax(-1)  # [B, T]
         K = self.num_steps
         loss = feats.last_state.new_zeros(())
         correct, total, accepted = (torch.zeros(K, device=ids.device) for _ in range(3))
@@ -192,7 +192,7 @@ class MedusaHead(DraftHead):
                 x = torch.cat([x, self.embed_tokens(shift_left(ids, 1 + k)).to(h.dtype)], dim=-1)
             lk, correct[k], total[k], accepted[k] = lookahead_loss(
                 x, lambda z, b=block, o=head: o(b(z)), ids, loss_mask, valid, t_top, 1 + k,
-                feats.logits if self.soft else None)
+                feats.all_logits() if self.soft else None)
             loss = loss + self.step_decay ** k * lk  # head k learns token t+2+k
         return HeadOutput(loss=loss, correct=correct, total=total, accepted=accepted if self.soft else None)
 

@@ -208,13 +208,13 @@ class MTPHead(FrozenRows, DraftHead):
         valid = batch.get("attention_mask", torch.ones_like(ids))
         B, T = ids.shape
         K = self.num_steps
-        t_top = feats.logits.argmax(-1)  # [B, T] the target's next-token guess at each position
+        t_top = feats.all_logits().argmax(-1)  # [B, T] the target's next-token guess at each position
         loss = feats.last_state.new_zeros((), dtype=self.eh_dtype)
         correct, total, accepted = (torch.zeros(K, device=ids.device) for _ in range(3))
         for j, h in enumerate(self.depth_states(ids, feats.last_state, K)):
             lj, correct[j], total[j], accepted[j] = lookahead_loss(
                 h, lambda x, d=j + 1: self.logits(d, x), ids, loss_mask, valid, t_top, 1 + j,
-                feats.logits if self.soft else None)
+                feats.all_logits() if self.soft else None)
             if self.feature_weight:
                 lj = lj + self.feature_weight * self.depth_regression(j, h, feats, loss_mask, valid)
             loss = loss + self.loss_weights[j] * lj
