@@ -4,7 +4,8 @@ Training: ``training_loss(batch, feats)`` returns a :class:`HeadOutput` (loss pl
 counts, step j = the j-th drafted token). The Lightning module owns optimisation, logging and
 checkpoints and never asks which head it holds. A head declares which target features it needs
 (``tap_method`` for the default tap layers, ``reads_taps`` whether it reads them at all, ``needs_teacher_logits``
-for soft targets).
+whether its loss reads the target's logits, which it asks of :class:`models.target.TargetOutput`: ``all_logits`` or
+``logits_at`` the rows it scores; the memory planner counts them).
 
 Export: a directory with ``config.json`` (head class, constructor arguments, target identity, tap
 layers), ``model.safetensors`` and the resolved training config; :func:`models.formats.load_draft` rebuilds
